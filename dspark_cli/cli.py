@@ -1,0 +1,76 @@
+"""The `dspark` program: wires one command group per stage; the commands live in `commands/`.
+
+User mistakes (DsparkError) print one line and a hint and exit 2; set DSPARK_DEBUG=1 for the
+traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from . import __version__
+from .errors import DsparkError
+
+app = typer.Typer(
+    name="dspark",
+    help="Train DSpark speculative-decoding drafters end to end.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"dspark {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Stages: data prepare → data regen → cache build → train → calibrate → eval."""
+
+
+def _register() -> None:
+    """Import command groups lazily-safe: each module adds its commands to `app`."""
+    from .commands import register_all
+
+    register_all(app)
+
+
+def main(argv: list[str] | None = None) -> None:
+    _register()
+    try:
+        app(args=argv, standalone_mode=False)
+    except DsparkError as e:
+        if os.environ.get("DSPARK_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        if e.hint:
+            print(f"hint: {e.hint}", file=sys.stderr)
+        sys.exit(2)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        print("aborted.", file=sys.stderr)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to resume.", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:  # click usage errors
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

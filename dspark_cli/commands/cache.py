@@ -1,0 +1,9 @@
+"""`dspark cache`: (to be written)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `cache` commands to the app."""

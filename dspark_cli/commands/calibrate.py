@@ -1,0 +1,9 @@
+"""`dspark calibrate`: (to be written)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `calibrate` commands to the app."""

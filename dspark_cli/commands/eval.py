@@ -1,0 +1,9 @@
+"""`dspark eval`: (to be written)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `eval` commands to the app."""

@@ -1,0 +1,9 @@
+"""`dspark profile`: (to be written)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `profile` commands to the app."""

@@ -1,0 +1,9 @@
+"""`dspark train`: (to be written)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `train` commands to the app."""

@@ -1,0 +1,133 @@
+"""Stage manifests: what a stage read, with which config, what it wrote. Committed last.
+
+Each stage's output directory holds `_run.json` (written when the stage starts: config and input
+fingerprints) and `manifest.json` (written when it finishes). `prepare_stage` decides, before any
+work, whether the stage is done (skip), fresh, resuming, or conflicting (refuse without --force).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from . import __version__, storage
+from .errors import StageConflictError
+from .schemas import validate
+
+MANIFEST_NAME = "manifest.json"
+RUN_NAME = "_run.json"
+SCHEMA_VERSION = 1
+
+StageState = Literal["done", "fresh", "resume"]
+
+
+def canonical_hash(obj: Any) -> str:
+    """Hash of sorted-key JSON: equal for equal content, whatever the key order."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def fingerprint(url: str) -> str:
+    """Identify an input: its stage manifest's hash if it is an artifact, else its bytes' hash."""
+    manifest_url = storage.join(url, MANIFEST_NAME)
+    if storage.exists(manifest_url):
+        return "manifest:" + storage.sha256_bytes(storage.read_bytes(manifest_url))
+    fs, path = storage.url_to_fs(url)
+    if fs.isfile(path):
+        return "sha256:" + storage.sha256_url(url)
+    if fs.isdir(path):
+        digest = hashlib.sha256()
+        for file in sorted(fs.find(path)):
+            digest.update(file[len(path):].encode())
+            digest.update(storage.sha256_url(fs.unstrip_protocol(file)).encode())
+        return "tree:" + digest.hexdigest()
+    return "id:" + str(url)
+
+
+def _diff_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = sorted(set(old) | set(new))
+        out: list[str] = []
+        for k in keys:
+            out += _diff_keys(old.get(k), new.get(k), f"{prefix}{k}.")
+        return out
+    return [] if old == new else [prefix.rstrip(".")]
+
+
+@dataclass
+class StageRun:
+    """A stage in progress: call `finish` with counts to commit its manifest."""
+
+    stage: str
+    output_url: str
+    config: dict[str, Any]
+    inputs: dict[str, str]
+    state: StageState
+    started: float = field(default_factory=time.time)
+
+    @property
+    def manifest_url(self) -> str:
+        return storage.join(self.output_url, MANIFEST_NAME)
+
+    def finish(self, counts: dict[str, Any], extra: dict[str, Any] | None = None,
+               timings: dict[str, float] | None = None) -> dict[str, Any]:
+        manifest = {
+            "schema_version": SCHEMA_VERSION,
+            "stage": self.stage,
+            "tool_version": __version__,
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "inputs": [{"url": k, "fingerprint": v} for k, v in sorted(self.inputs.items())],
+            "config": self.config,
+            "config_hash": canonical_hash(self.config),
+            "counts": counts,
+            "timings": {"wall_seconds": round(time.time() - self.started, 3), **(timings or {})},
+            "extra": extra or {},
+        }
+        validate(manifest, "stage_manifest", where=self.manifest_url)
+        storage.write_json(self.manifest_url, manifest)
+        return manifest
+
+
+def read_manifest(output_url: str) -> dict[str, Any] | None:
+    url = storage.join(output_url, MANIFEST_NAME)
+    if not storage.exists(url):
+        return None
+    manifest = storage.read_json(url)
+    validate(manifest, "stage_manifest", where=url)
+    return manifest
+
+
+def prepare_stage(stage: str, output_url: str, config: dict[str, Any], inputs: dict[str, str],
+                  force: bool = False) -> StageRun:
+    """Decide done / fresh / resume for a stage; refuse a changed config unless force.
+
+    `inputs` maps input URL to its fingerprint (see `fingerprint`). With force, the old output is
+    removed and the stage starts fresh.
+    """
+    spec = {"stage": stage, "config": config, "inputs": inputs}
+    run_url = storage.join(output_url, RUN_NAME)
+    previous = storage.read_json(run_url) if storage.exists(run_url) else None
+    if previous is not None and not force:
+        differing = _diff_keys({"config": previous.get("config"), "inputs": previous.get("inputs")},
+                               {"config": config, "inputs": inputs})
+        if previous.get("stage") != stage:
+            differing.insert(0, "stage")
+        if differing:
+            shown = ", ".join(differing[:6]) + (" …" if len(differing) > 6 else "")
+            raise StageConflictError(
+                f"{output_url}: already holds a '{previous.get('stage')}' run with a different "
+                f"{shown}.",
+                hint="rerun with --force to replace it, or choose another output URL.",
+            )
+    if force and previous is not None:
+        storage.remove(output_url)
+        previous = None
+    if previous is not None and read_manifest(output_url) is not None:
+        return StageRun(stage, output_url, config, inputs, "done")
+    state: StageState = "resume" if previous is not None else "fresh"
+    if previous is None:
+        storage.write_json(run_url, spec)
+    return StageRun(stage, output_url, config, inputs, state)

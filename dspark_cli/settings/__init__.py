@@ -1,0 +1,1 @@
+"""Typed settings, one section per stage (see base.Section); config.py composes them."""

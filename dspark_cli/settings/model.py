@@ -1,0 +1,36 @@
+"""[model]: the drafter architecture (DSpark or the DFlash baseline)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import Section
+
+
+@dataclass
+class ModelSettings(Section):
+    name = "model"
+    #: Draft decoder layers (reference 5).
+    num_draft_layers: int = 5
+    #: γ: draft tokens proposed per block.
+    block_size: int = 7
+    #: anchor_first (DSpark/DeepSpec) or fill_in (original DFlash, as vLLM serves it).
+    block_convention: str = "anchor_first"
+    #: vanilla, gated, rnn, or none (DFlash baseline).
+    markov_head_type: str = "vanilla"
+    markov_rank: int = 256
+    enable_confidence_head: bool = True
+    #: Confidence head reads [h_k; W1[x_{k-1}]] (true) or h_k alone (false).
+    confidence_head_with_markov: bool = True
+
+    def validate(self) -> None:
+        if self.num_draft_layers <= 0:
+            self.fail("num_draft_layers", f"must be > 0, got {self.num_draft_layers}.")
+        if self.block_size < 2:
+            self.fail("block_size", f"must be >= 2, got {self.block_size}.")
+        if self.block_convention not in ("anchor_first", "fill_in"):
+            self.fail("block_convention", f"must be anchor_first or fill_in, got {self.block_convention!r}.")
+        if self.markov_head_type not in ("vanilla", "gated", "rnn", "none"):
+            self.fail("markov_head_type", f"must be vanilla, gated, rnn or none, got {self.markov_head_type!r}.")
+        if self.markov_rank <= 0:
+            self.fail("markov_rank", f"must be > 0, got {self.markov_rank}.")

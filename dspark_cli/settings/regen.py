@@ -1,0 +1,51 @@
+"""[regen]: response regeneration through OpenAI-compatible endpoints (`dspark data regen`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .base import Section
+
+
+@dataclass
+class RegenSettings(Section):
+    name = "regen"
+    #: Base URLs of OpenAI-compatible servers (…/v1). Requests are spread over them.
+    endpoints: list[str] = field(default_factory=list)
+    #: Model name sent in each request (as the server knows it).
+    model: str = ""
+    #: Requests in flight per endpoint.
+    concurrency: int = 64
+    temperature: float = 0.7
+    top_p: float = 0.8
+    top_k: int | None = 20
+    min_p: float | None = 0.0
+    max_tokens: int = 2048
+    #: Sent as chat_template_kwargs.enable_thinking; the paper's data uses non-thinking mode.
+    thinking: bool = False
+    #: Environment variable holding the API key (never written anywhere).
+    api_key_env: str = "OPENAI_API_KEY"
+    #: Keep answers cut by max_tokens (finish_reason == "length"); default drops them to rejected.
+    keep_truncated: bool = False
+    #: Keep empty answers; default drops them to rejected.
+    keep_empty: bool = False
+    #: Retries for connection errors, timeouts, 429 and 5xx.
+    max_retries: int = 8
+    #: Seconds before one request times out.
+    request_timeout: float = 600.0
+    #: Rows per committed output shard.
+    batch_rows: int = 256
+
+    def validate(self) -> None:
+        if self.concurrency <= 0:
+            self.fail("concurrency", f"must be > 0, got {self.concurrency}.")
+        if self.max_tokens <= 0:
+            self.fail("max_tokens", f"must be > 0, got {self.max_tokens}.")
+        if self.temperature < 0:
+            self.fail("temperature", f"must be >= 0, got {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            self.fail("top_p", f"must be in (0, 1], got {self.top_p}.")
+        if self.max_retries < 0:
+            self.fail("max_retries", f"must be >= 0, got {self.max_retries}.")
+        if self.batch_rows <= 0:
+            self.fail("batch_rows", f"must be > 0, got {self.batch_rows}.")
