@@ -30,3 +30,6 @@ lint: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Benchmarks and other stage-specific targets live in mk/*.mk, one file per stage.
+-include mk/*.mk
