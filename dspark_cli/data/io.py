@@ -1,0 +1,150 @@
+"""Parquet shards of the data artifacts (contracts 1 and 2) and the one reader every stage uses.
+
+    for row in read_rows("runs/x/responses", split="train"):
+        row["messages"]  # [{"role": "user", "content": ...}, {"role": "assistant", ...}, ...]
+
+An artifact is a folder with `data/part-NNNNN.parquet` shards. Each shard is written whole under
+a temporary name and renamed (or PUT once on an object store), so a reader never sees half a shard
+and a killed writer leaves nothing behind that a reader would take for data.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .. import storage
+from ..errors import DsparkError
+
+DATA_DIR = "data"
+SHARD_RE = re.compile(r"^part-(\d{5,})\.parquet$")
+
+MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
+
+#: Contract 1: `dspark data prepare` rows (conversation without its assistant turns).
+PROMPT_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("source", pa.string()),
+    ("split", pa.string()),
+    ("messages", pa.list_(MESSAGE_TYPE)),
+    ("original_assistant", pa.list_(pa.string())),
+])
+
+#: Contract 2: `dspark data regen` rows (full conversation with regenerated assistant turns).
+RESPONSE_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("source", pa.string()),
+    ("split", pa.string()),
+    ("messages", pa.list_(MESSAGE_TYPE)),
+    ("reasoning", pa.list_(pa.string())),
+    ("thinking", pa.bool_()),
+    ("model", pa.string()),
+    ("endpoint", pa.string()),
+    ("sampling", pa.string()),
+    ("finish_reasons", pa.list_(pa.string())),
+    ("prompt_tokens", pa.int64()),
+    ("completion_tokens", pa.int64()),
+])
+
+#: A response row that the truncated/empty policy set aside, with why.
+REJECTED_SCHEMA = RESPONSE_SCHEMA.append(pa.field("reason", pa.string()))
+
+#: A prompt whose request failed for good (a 4xx, or retries exhausted), with the server's message.
+ERROR_SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("source", pa.string()),
+    ("split", pa.string()),
+    ("kind", pa.string()),
+    ("status_code", pa.int64()),
+    ("message", pa.string()),
+    ("endpoint", pa.string()),
+    ("turn", pa.int64()),
+    ("attempts", pa.int64()),
+])
+
+#: An input row `data prepare` could not use, with why and where it came from.
+QUARANTINE_SCHEMA = pa.schema([
+    ("input", pa.string()),
+    ("row", pa.int64()),
+    ("reason", pa.string()),
+    ("raw", pa.string()),
+])
+
+
+def shard_name(index: int) -> str:
+    return f"part-{index:05d}.parquet"
+
+
+def shard_index(name: str) -> int | None:
+    match = SHARD_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def list_shards(dir_url: str) -> list[str]:
+    """URLs of the committed shards directly under dir_url, in index order."""
+    names = [n for n in storage.listdir(dir_url) if shard_index(n) is not None]
+    return [storage.join(dir_url, n) for n in sorted(names, key=lambda n: shard_index(n) or 0)]
+
+
+def table_bytes(rows: list[dict[str, Any]], schema: pa.Schema) -> bytes:
+    """Serialise rows to Parquet bytes (zstd); raises DsparkError naming a column that does not fit."""
+    try:
+        table = pa.Table.from_pylist(rows, schema=schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise DsparkError(f"rows do not fit the Parquet schema: {e}") from e
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue()
+
+
+def write_table(url: str, rows: list[dict[str, Any]], schema: pa.Schema) -> None:
+    """Write rows as one Parquet file, atomically (whole file or nothing)."""
+    storage.write_bytes(url, table_bytes(rows, schema))
+
+
+def read_table(url: str, columns: list[str] | None = None) -> pa.Table:
+    try:
+        return pq.read_table(io.BytesIO(storage.read_bytes(url)), columns=columns)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DsparkError(f"{url}: not a readable Parquet file ({e}).") from e
+
+
+def read_file_rows(url: str, columns: list[str] | None = None) -> list[dict[str, Any]]:
+    """All rows of one Parquet file ([] when it does not exist)."""
+    if not storage.exists(url):
+        return []
+    return read_table(url, columns).to_pylist()
+
+
+def iter_dir_rows(dir_url: str, columns: list[str] | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(shard index, row) for every row of every committed shard under dir_url."""
+    for url in list_shards(dir_url):
+        index = shard_index(storage.basename(url))
+        for row in read_table(url, columns).to_pylist():
+            yield index or 0, row
+
+
+def read_rows(url: str, split: str | None = None, columns: list[str] | None = None) -> Iterator[dict]:
+    """Rows of a data artifact (prompts or responses), shard by shard; `split` keeps one split.
+
+    Raises DsparkError when url holds no shards, so a wrong URL is not read as an empty dataset.
+    """
+    if split not in (None, "train", "validation"):
+        raise DsparkError(f"split must be 'train', 'validation' or None, got {split!r}.")
+    shards = list_shards(storage.join(url, DATA_DIR))
+    if not shards:
+        raise DsparkError(f"{url}: no data shards found (expected {url}/{DATA_DIR}/part-NNNNN.parquet).",
+                          hint="run `dspark data prepare` / `dspark data regen` to write it.")
+    wanted = None if columns is None else list(dict.fromkeys([*columns, *(["split"] if split else [])]))
+    for shard in shards:
+        table = read_table(shard, wanted)
+        for row in table.to_pylist():
+            if split is None or row["split"] == split:
+                if columns is not None and "split" not in columns:
+                    row.pop("split", None)
+                yield row
