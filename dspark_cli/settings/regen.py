@@ -29,12 +29,20 @@ class RegenSettings(Section):
     keep_truncated: bool = False
     #: Keep empty answers; default drops them to rejected.
     keep_empty: bool = False
-    #: Retries for connection errors, timeouts, 429 and 5xx.
+    #: Retries for connection errors, timeouts, 429 and 5xx (then the prompt goes to the error file).
     max_retries: int = 8
+    #: First retry delay in seconds; doubles per attempt, with jitter, up to `retry_max_delay`.
+    retry_base_delay: float = 0.5
+    #: Longest wait between retries, in seconds (a server's Retry-After is honoured up to this).
+    retry_max_delay: float = 60.0
     #: Seconds before one request times out.
     request_timeout: float = 600.0
     #: Rows per committed output shard.
     batch_rows: int = 256
+    #: Commit a partial batch after this many seconds, so slow runs lose little when killed.
+    flush_seconds: float = 60.0
+    #: pipeline run starts `dspark serve` on [target].model for this stage; for laptops and demos.
+    serve_target: bool = False
 
     def validate(self) -> None:
         if self.concurrency <= 0:
@@ -49,3 +57,13 @@ class RegenSettings(Section):
             self.fail("max_retries", f"must be >= 0, got {self.max_retries}.")
         if self.batch_rows <= 0:
             self.fail("batch_rows", f"must be > 0, got {self.batch_rows}.")
+        if self.request_timeout <= 0:
+            self.fail("request_timeout", f"must be > 0, got {self.request_timeout}.")
+        if self.retry_base_delay < 0 or self.retry_max_delay < self.retry_base_delay:
+            self.fail("retry_max_delay", f"must be >= retry_base_delay >= 0, got {self.retry_max_delay}.")
+        if self.flush_seconds <= 0:
+            self.fail("flush_seconds", f"must be > 0, got {self.flush_seconds}.")
+        if self.top_k is not None and self.top_k < -1:
+            self.fail("top_k", f"must be -1 (off) or >= 0, got {self.top_k}.")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            self.fail("min_p", f"must be in [0, 1], got {self.min_p}.")
