@@ -1,0 +1,131 @@
+"""SPS(B): the target's verification steps per second as a function of batch tokens B.
+
+The scheduler maximises Θ = τ · SPS(B), so it needs SPS at any B: the table stores measured points
+and `__call__` interpolates linearly between them (flat beyond the ends, since a table cannot say
+what happens outside what was measured). `profile_target` measures the points on this hardware.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import storage
+from ..errors import DsparkError
+from ..schemas import validate
+
+SCHEMA = "sps_table"
+
+
+@dataclass
+class SpsTable:
+    """Measured (batch tokens, steps/s) points, sorted by batch tokens."""
+
+    batch_tokens: list[int]
+    steps_per_second: list[float]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.batch_tokens or len(self.batch_tokens) != len(self.steps_per_second):
+            raise DsparkError("SPS table needs equally many batch_tokens and steps_per_second, at least one.")
+        order = sorted(range(len(self.batch_tokens)), key=self.batch_tokens.__getitem__)
+        self.batch_tokens = [int(self.batch_tokens[i]) for i in order]
+        self.steps_per_second = [float(self.steps_per_second[i]) for i in order]
+        if any(b <= a for a, b in zip(self.batch_tokens, self.batch_tokens[1:], strict=False)):
+            raise DsparkError(f"SPS table batch_tokens must be distinct, got {self.batch_tokens}.")
+        if any(s <= 0 for s in self.steps_per_second):
+            raise DsparkError("SPS table steps_per_second must all be > 0.")
+
+    def __call__(self, batch_tokens: float) -> float:
+        xs, ys = self.batch_tokens, self.steps_per_second
+        if batch_tokens <= xs[0]:
+            return ys[0]
+        if batch_tokens >= xs[-1]:
+            return ys[-1]
+        i = bisect_left(xs, batch_tokens)
+        if xs[i] == batch_tokens:
+            return ys[i]
+        frac = (batch_tokens - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return ys[i - 1] + frac * (ys[i] - ys[i - 1])
+
+    @classmethod
+    def constant(cls, steps_per_second: float = 1.0) -> SpsTable:
+        """Compute-free hardware: Θ is then just τ (what a fixed schedule assumes)."""
+        return cls([1], [steps_per_second], {"kind": "constant"})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema_version": 1, "batch_tokens": self.batch_tokens,
+                "steps_per_second": self.steps_per_second, "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any], where: str = "") -> SpsTable:
+        validate(obj, SCHEMA, where=where)
+        return cls(list(obj["batch_tokens"]), list(obj["steps_per_second"]), dict(obj.get("meta", {})))
+
+    @classmethod
+    def load(cls, url: str) -> SpsTable:
+        return cls.from_dict(storage.read_json(url), where=url)
+
+    def save(self, url: str) -> None:
+        obj = self.to_dict()
+        validate(obj, SCHEMA, where=url)
+        storage.write_json(url, obj)
+
+
+def default_batch_grid(max_tokens: int = 256) -> list[int]:
+    """1, 2, 4, … up to max_tokens plus a few points between, where curves usually bend."""
+    grid = {1}
+    b = 2
+    while b <= max_tokens:
+        grid.update({b, b + b // 2})
+        b *= 2
+    return sorted(x for x in grid if x <= max_tokens)
+
+
+@torch.inference_mode()
+def profile_target(model: torch.nn.Module, batch_tokens: list[int], context_length: int = 128,
+                   warmup: int = 2, repeats: int = 5, vocab_size: int | None = None,
+                   seed: int = 0) -> SpsTable:
+    """Time one verification step of B new tokens over a cached context of `context_length`.
+
+    B tokens are laid out as one sequence appended to the cache (what a single request verifying B
+    tokens costs; batched requests have the same token count through the same matmuls). The median
+    of `repeats` timings is kept; the cache is cropped back after every step so each sees the same
+    context.
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    vocab = vocab_size or model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(0, vocab, (1, context_length), generator=gen).to(device)
+    cache = DynamicCache()
+    model(input_ids=ctx, past_key_values=cache, use_cache=True)
+    sps: list[float] = []
+    for b in batch_tokens:
+        ids = torch.randint(0, vocab, (1, b), generator=gen).to(device)
+        pos = torch.arange(context_length, context_length + b, device=device)[None]
+        times = []
+        for i in range(warmup + repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            _sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            cache.crop(context_length)
+        times.sort()
+        sps.append(1.0 / times[len(times) // 2])
+    meta = {"context_length": context_length, "repeats": repeats, "device": str(device),
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads()}
+    return SpsTable(list(batch_tokens), sps, meta)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
