@@ -1,0 +1,83 @@
+"""Who may attend to what, and the attention kernel that enforces it.
+
+Keys are laid out `[context of sample 0; context of sample 1; …; every block slot]` and queries are
+the block slots (DESIGN.md §3). A slot of the block anchored at position p of sample s sees the
+context features of sample s at positions < p (strictly) and every slot of its own block
+(bidirectional), nothing else. On CPU the mask is a boolean tensor for SDPA (flex attention has no
+CPU backward); under CUDA the same rule is a flex-attention BlockMask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class BlockLayout:
+    """Per-key and per-query labels from which the mask rule is evaluated (all LongTensor)."""
+
+    key_sample: torch.Tensor  # [K] sample of each key
+    key_pos: torch.Tensor  # [K] position in its sample (context keys); unused for block keys
+    key_block: torch.Tensor  # [K] block id of each block key, -1 for context keys
+    query_sample: torch.Tensor  # [Q]
+    query_anchor: torch.Tensor  # [Q] anchor position of the query's block
+    query_block: torch.Tensor  # [Q]
+
+    def to(self, device: torch.device | str) -> BlockLayout:
+        return BlockLayout(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def allowed(layout: BlockLayout, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The rule itself, for any broadcastable query/key index tensors (shared by both backends)."""
+    ctx_ok = ((layout.key_block[k] < 0) & (layout.key_sample[k] == layout.query_sample[q])
+              & (layout.key_pos[k] < layout.query_anchor[q]))
+    return ctx_ok | (layout.key_block[k] == layout.query_block[q])
+
+
+def dense_mask(layout: BlockLayout) -> torch.Tensor:
+    """Boolean [Q, K] mask, True = may attend (SDPA convention)."""
+    q = torch.arange(layout.query_block.numel(), device=layout.query_block.device)
+    k = torch.arange(layout.key_block.numel(), device=layout.key_block.device)
+    return allowed(layout, q[:, None], k[None, :])
+
+
+def flex_block_mask(layout: BlockLayout):  # pragma: no cover - CUDA only
+    """The same rule as a flex-attention BlockMask (sparse: skips fully masked tiles)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return allowed(layout, q_idx, kv_idx)
+
+    return create_block_mask(mask_mod, None, None, layout.query_block.numel(), layout.key_block.numel(),
+                             device=layout.query_block.device)
+
+
+_flex_compiled = None
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: object | None,
+           num_kv_groups: int) -> torch.Tensor:
+    """Scaled dot-product attention with GQA. query [B, H, Q, D], key/value [B, Hkv, K, D].
+
+    `mask` is None (every query sees every key), a boolean [Q, K] tensor (SDPA), or a flex
+    BlockMask (CUDA). Returns [B, H, Q, D].
+    """
+    global _flex_compiled
+    if mask is not None and not isinstance(mask, torch.Tensor):  # flex BlockMask
+        from torch.nn.attention.flex_attention import flex_attention
+
+        if _flex_compiled is None:
+            _flex_compiled = torch.compile(flex_attention, dynamic=True)
+        return _flex_compiled(query, key, value, block_mask=mask, enable_gqa=num_kv_groups > 1)
+    if num_kv_groups > 1:
+        key = key.repeat_interleave(num_kv_groups, dim=1)  # [B, H, K, D]
+        value = value.repeat_interleave(num_kv_groups, dim=1)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+
+
+def use_flex(device: torch.device | str) -> bool:
+    """Flex attention only under CUDA: on CPU it has no backward."""
+    return torch.device(device).type == "cuda"

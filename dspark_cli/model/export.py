@@ -1,0 +1,173 @@
+"""The serving folder engines load (DESIGN.md §3), and loading any drafter back.
+
+    export_drafter(drafter, "runs/x/train/export")          # config.json + model.safetensors
+    drafter = load_drafter("runs/x/train/export")           # frozen rows from config's target
+    drafter = load_drafter("runs/x/train/checkpoints/step-00000500", target="Qwen/Qwen3-4B")
+
+An anchor-first drafter exports as `Qwen3DSparkModel`; a `fill_in` DFlash baseline as
+`DFlashDraftModel`. Any other pairing is refused: engines would load it without complaint and
+serve it with acceptance near zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from .. import storage
+from ..errors import DsparkError
+from ..schemas import validate
+from .config import DrafterConfig
+from .drafter import DSparkDrafter
+from .frozen import attach_frozen
+
+DSPARK_ARCH = "Qwen3DSparkModel"
+DFLASH_ARCH = "DFlashDraftModel"
+CHECKPOINT_CONFIG = "drafter_config.json"
+WEIGHTS = "model.safetensors"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def architecture_for(config: DrafterConfig, requested: str | None = None) -> str:
+    """The engine architecture for this convention; refuse pairings engines would serve wrongly."""
+    expected = DSPARK_ARCH if config.sample_from_anchor else DFLASH_ARCH
+    if requested is not None and requested != expected:
+        raise DsparkError(
+            f"a {config.block_convention} drafter cannot be exported as {requested}: engines would serve "
+            f"it with the wrong block layout and acceptance near zero.",
+            hint=f"export it as {expected}, or retrain with model.block_convention="
+                 f"{'fill_in' if requested == DFLASH_ARCH else 'anchor_first'}.")
+    if expected == DFLASH_ARCH and (config.markov_head_type != "none" or config.enable_confidence_head):
+        raise DsparkError(
+            "a fill_in drafter exports as DFlashDraftModel, which has no Markov or confidence head; "
+            "serving it would silently drop them.",
+            hint="train fill_in drafters with model.markov_head_type=none and "
+                 "model.enable_confidence_head=false.")
+    return expected
+
+
+def export_config(config: DrafterConfig, architecture: str, dtype: str) -> dict[str, Any]:
+    """config.json: a Qwen3 config plus DSpark fields at top level, mirrored in dflash_config."""
+    # fill_in engines count the anchor slot in block_size (z-lab/vLLM DFlash: 16 = anchor + 15).
+    block_size = config.block_inputs
+    rope = dict(config.rope_parameters)
+    out: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": "qwen3",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_draft_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
+        "rope_scaling": rope if rope.get("rope_type", "default") != "default" else None,
+        "rope_parameters": rope,
+        "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+        "block_size": block_size,
+        "target_layer_ids": list(config.target_layer_ids),
+        "num_target_layers": config.num_target_layers,
+        "mask_token_id": config.mask_token_id,
+        "markov_rank": config.markov_rank,
+        "markov_head_type": config.markov_head_type,
+        "enable_confidence_head": config.enable_confidence_head,
+        "confidence_head_with_markov": config.confidence_head_with_markov,
+        "sample_from_anchor": config.sample_from_anchor,
+        "dflash_config": {
+            "block_size": block_size,
+            "target_layer_ids": list(config.target_layer_ids),
+            "mask_token_id": config.mask_token_id,
+        },
+        # Everything load_drafter needs to rebuild the module exactly (engines ignore it).
+        "dspark_config": config.to_dict(),
+    }
+    return out
+
+
+def export_drafter(drafter: DSparkDrafter, out_url: str, include_embeddings: bool = False,
+                   architecture: str | None = None, dtype: str = "bfloat16") -> dict[str, Any]:
+    """Write config.json + model.safetensors to out_url (weights first, config last)."""
+    if dtype not in DTYPES:
+        raise DsparkError(f"export dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
+    arch = architecture_for(drafter.config, architecture)
+    config = export_config(drafter.config, arch, dtype)
+    validate(config, "drafter_export_config", where=storage.join(out_url, "config.json"))
+    tensors = drafter.trainable_state_dict()
+    if include_embeddings:
+        tensors["embed_tokens.weight"] = drafter.embed_tokens.weight
+        tensors["lm_head.weight"] = drafter.lm_head.weight
+    tensors = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in tensors.items()}
+    storage.write_bytes(storage.join(out_url, WEIGHTS), st_save(tensors, metadata={"format": "pt"}))
+    storage.write_json(storage.join(out_url, "config.json"), config)
+    return config
+
+
+def save_weights(drafter: DSparkDrafter, dir_url: str) -> None:
+    """Trainable weights (float32) + drafter_config.json: the model part of a checkpoint."""
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in drafter.trainable_state_dict().items()}
+    storage.write_bytes(storage.join(dir_url, WEIGHTS), st_save(tensors))
+    storage.write_text(storage.join(dir_url, CHECKPOINT_CONFIG), drafter.config.to_json())
+
+
+def read_config(url: str) -> DrafterConfig:
+    """DrafterConfig of a checkpoint dir or an export folder."""
+    if storage.exists(storage.join(url, CHECKPOINT_CONFIG)):
+        return DrafterConfig.from_json(storage.read_text(storage.join(url, CHECKPOINT_CONFIG)))
+    if storage.exists(storage.join(url, "config.json")):
+        cfg = storage.read_json(storage.join(url, "config.json"))
+        if "dspark_config" not in cfg:
+            raise DsparkError(f"{url}/config.json has no dspark_config; it was not exported by dspark.")
+        return DrafterConfig.from_dict(cfg["dspark_config"])
+    raise DsparkError(f"{url}: neither a dspark checkpoint ({CHECKPOINT_CONFIG}) nor an export "
+                      "(config.json).")
+
+
+def resolve_drafter_url(url: str) -> str:
+    """Accept a train artifact root too: its export/, else its latest checkpoint."""
+    if any(storage.exists(storage.join(url, name)) for name in (CHECKPOINT_CONFIG, "config.json")):
+        return url
+    if storage.exists(storage.join(url, "export", "config.json")):
+        return storage.join(url, "export")
+    latest = storage.join(url, "checkpoints", "latest")
+    if storage.exists(latest):
+        return storage.join(url, "checkpoints", storage.read_text(latest).strip())
+    return url
+
+
+def load_drafter(path: str, target: str | None = None, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> DSparkDrafter:
+    """Rebuild a drafter from a checkpoint dir, an export folder or a train artifact root.
+
+    The frozen embedding / lm_head come from the folder when it holds them (--include-embeddings),
+    else from `target` (default: the target path recorded at training time).
+    """
+    url = resolve_drafter_url(path)
+    config = read_config(url)
+    tensors = st_load(storage.read_bytes(storage.join(url, WEIGHTS)))
+    drafter = DSparkDrafter(config)
+    expected = set(drafter.trainable_state_dict())
+    frozen_in_file = {"embed_tokens.weight", "lm_head.weight"} <= set(tensors)
+    missing = sorted(expected - set(tensors))
+    unknown = sorted(set(tensors) - expected - {"embed_tokens.weight", "lm_head.weight"})
+    if missing or unknown:
+        raise DsparkError(f"{url}/{WEIGHTS}: weights do not match the drafter config "
+                          f"(missing {missing[:3]}, unexpected {unknown[:3]}).")
+    state = {k: v.float() for k, v in tensors.items()}
+    drafter.load_state_dict(state, strict=False)
+    if not frozen_in_file:
+        source = target or config.target_model
+        if not source:
+            raise DsparkError(f"{url}: holds no embedding/lm_head and no target is known.",
+                              hint="pass the target model path (--target).")
+        attach_frozen(drafter, source)
+    return drafter.to(device=device, dtype=dtype).eval()
