@@ -1,0 +1,209 @@
+"""Training reader: a PyTorch dataset over a finished cache on any fsspec URL.
+
+    ds = CacheDataset("s3://bucket/cache", expect_layers=[1, 9, 17, 25, 33], split="train")
+    sample = ds[0]   # sample_id, input_ids [T], loss_mask [T], hidden_states [T, m*d], final_hidden [T, d]
+
+Opened shards stay in a small LRU (their Zarr handles and offsets); each sample is a ranged read of
+its own rows. A background thread prefetches the next samples of the iteration order, which
+`ShardLocalSampler` makes shard-local (shuffle shards, then samples within a shard) so reads stay
+close together on object stores.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import manifest, storage
+from ..errors import DsparkError
+from . import fp8, store
+
+
+def _bf16(bits: np.ndarray) -> torch.Tensor:
+    """uint16 bf16 bits → bfloat16 tensor, bit for bit."""
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
+
+
+class _Shard:
+    """An opened shard: Zarr arrays plus its (small) offsets and per-sample ids."""
+
+    def __init__(self, url: str) -> None:
+        group = store.open_shard(url)
+        self.arrays = {name: group[name] for name in group.array_keys()}
+        self.offsets = self.arrays["offsets"][...]
+        self.final_offsets = self.arrays["final_offsets"][...]
+        self.sample_ids: list[str] = list(group.attrs["sample_ids"])
+
+
+class CacheDataset(torch.utils.data.Dataset):
+    """One sample per item; refuses a cache built for other layers, width or target."""
+
+    def __init__(self, url: str, expect_layers: list[int] | None = None,
+                 expect_hidden_size: int | None = None, expect_target_config_hash: str | None = None,
+                 split: str | None = None, lru_shards: int = 4, prefetch: int = 8) -> None:
+        self.url = url
+        found = manifest.read_manifest(url)
+        if found is None or found.get("stage") != "cache":
+            raise DsparkError(f"{url}: not a finished cache (no cache manifest.json).",
+                              hint="run `dspark cache build` (or `dspark cache finalize`) first.")
+        self.meta: dict[str, Any] = found["extra"]
+        self._check(expect_layers, expect_hidden_size, expect_target_config_hash)
+        self.storage_dtype = self.meta["storage_dtype"]
+        self.hidden_size = int(self.meta["hidden_size"])
+        shards = self.meta["shards"]
+        # Global index: (shard index, sample index within shard), in shard order.
+        index = [(s["index"], j) for s in shards for j in range(s["num_samples"])]
+        self._splits = [sp for s in shards for sp in s["splits"]]
+        if split is not None:
+            index = [ix for ix, sp in zip(index, self._splits, strict=True) if sp == split]
+            self._splits = [split] * len(index)
+        self.index = index
+        self.split = split
+        self.lru_shards = lru_shards
+        self.prefetch = prefetch
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        self._lru: OrderedDict[int, _Shard] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: dict[int, Future] = {}
+        self._order: list[int] | None = None
+        self._pos: dict[int, int] = {}
+
+    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers: reopen handles lazily
+        state = self.__dict__.copy()
+        for key in ("_lru", "_lock", "_pool", "_pending", "_order", "_pos"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
+
+    def _check(self, layers: list[int] | None, hidden: int | None, config_hash: str | None) -> None:
+        meta = self.meta
+        if layers is not None and list(layers) != list(meta["layers"]):
+            raise DsparkError(f"{self.url}: cache holds layers {meta['layers']}, "
+                              f"training expects {list(layers)}.",
+                              hint="rebuild the cache with those --layers or set target.layers to match.")
+        if hidden is not None and int(hidden) != int(meta["hidden_size"]):
+            raise DsparkError(f"{self.url}: cache hidden size is {meta['hidden_size']}, expected {hidden}.")
+        if config_hash is not None and config_hash != meta["target_config_hash"]:
+            raise DsparkError(f"{self.url}: cache was built from another target (config hash "
+                              f"{meta['target_config_hash'][:12]}…, expected {config_hash[:12]}…).")
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def split_of(self, i: int) -> str:
+        return self._splits[i]
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.meta["layers"])
+
+    def _shard(self, k: int) -> _Shard:
+        with self._lock:
+            if k in self._lru:
+                self._lru.move_to_end(k)
+                return self._lru[k]
+        opened = _Shard(store.shard_url(self.url, k))
+        with self._lock:
+            self._lru[k] = opened
+            while len(self._lru) > self.lru_shards:
+                self._lru.popitem(last=False)
+        return opened
+
+    def _load(self, i: int) -> dict[str, Any]:
+        k, j = self.index[i]
+        shard = self._shard(k)
+        a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
+        fa, fb = int(shard.final_offsets[j]), int(shard.final_offsets[j + 1])
+        arrays = shard.arrays
+        input_ids = torch.from_numpy(arrays["input_ids"][a:b].astype(np.int64))
+        loss_mask = torch.from_numpy(arrays["loss_mask"][a:b].astype(bool))
+        if self.storage_dtype == "fp8":
+            hidden = fp8.dequantize(torch.from_numpy(arrays["hidden"][a:b]),
+                                    torch.from_numpy(arrays["hidden_scale"][a:b]))
+            final_rows = fp8.dequantize(torch.from_numpy(arrays["final_hidden"][fa:fb]),
+                                        torch.from_numpy(arrays["final_scale"][fa:fb]))
+        else:
+            hidden = _bf16(arrays["hidden"][a:b])  # [T, m*d]
+            final_rows = _bf16(arrays["final_hidden"][fa:fb])  # [K, d]
+        final = torch.zeros(b - a, self.hidden_size, dtype=torch.bfloat16)
+        final[loss_mask] = final_rows  # [T, d], zeros off the loss mask
+        return {"sample_id": shard.sample_ids[j], "input_ids": input_ids, "loss_mask": loss_mask,
+                "hidden_states": hidden, "final_hidden": final}
+
+    def set_order(self, order: list[int]) -> None:
+        """Tell the prefetcher the iteration order (a sampler's indices)."""
+        self._order = list(order)
+        self._pos = {i: p for p, i in enumerate(self._order)}
+
+    def _schedule(self, i: int) -> None:
+        if self.prefetch <= 0:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="cache-prefetch")
+        if self._order is not None and i in self._pos:
+            nxt = self._order[self._pos[i] + 1:self._pos[i] + 1 + self.prefetch]
+        else:
+            nxt = list(range(i + 1, min(len(self), i + 1 + self.prefetch)))
+        with self._lock:
+            for n in nxt:
+                if n not in self._pending:
+                    self._pending[n] = self._pool.submit(self._load, n)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range (cache has {len(self)})")
+        with self._lock:
+            pending = self._pending.pop(i, None)
+            if len(self._pending) > 4 * max(1, self.prefetch):  # a random-access user: drop stale work
+                self._pending.clear()
+        item = pending.result() if pending is not None else self._load(i)
+        self._schedule(i)
+        return item
+
+
+class ShardLocalSampler(torch.utils.data.Sampler[int]):
+    """Shuffle shards, then samples inside each shard: random enough, and reads stay shard-local."""
+
+    def __init__(self, dataset: CacheDataset, seed: int = 0) -> None:
+        self.dataset = dataset
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __iter__(self) -> Iterator[int]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        by_shard: dict[int, list[int]] = {}
+        for i, (k, _j) in enumerate(self.dataset.index):
+            by_shard.setdefault(k, []).append(i)
+        shards = list(by_shard)
+        order: list[int] = []
+        for s in torch.randperm(len(shards), generator=gen).tolist():
+            members = by_shard[shards[s]]
+            order += [members[p] for p in torch.randperm(len(members), generator=gen).tolist()]
+        self.dataset.set_order(order)
+        return iter(order)
+
+
+def open_cache(url: str, **kwargs: Any) -> CacheDataset:
+    """Alias kept for readability at call sites: `open_cache(url, split='train')`."""
+    if not storage.exists(storage.join(url, manifest.MANIFEST_NAME)):
+        raise DsparkError(f"{url}: no cache here (manifest.json missing).",
+                          hint="run `dspark cache build` first.")
+    return CacheDataset(url, **kwargs)
