@@ -1,0 +1,144 @@
+"""`dspark data prepare`: input rows → normalised prompt shards (contract 1) + quarantine.
+
+    from dspark_cli.config import load_config
+    prepare(load_config(None, ["data.source=chats.jsonl"]), "runs/x/prompts")
+
+Streams the input once: each row is normalised (or quarantined with a reason), exact-duplicate
+prompts are dropped, the split is a seeded hash of the id, and rows are written in shards of
+`data.shard_rows`. Shards are written whole under temporary names; `manifest.json` is written last,
+so a killed run is simply redone (the output is a pure function of input and config).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import manifest, storage
+from ..config import PipelineConfig
+from ..errors import DsparkError
+from . import io, sources
+from .formats import RowError, normalise
+
+STAGE = "data.prepare"
+QUARANTINE_NAME = "quarantine.parquet"
+
+
+def split_of(sample_id: str, seed: int, val_fraction: float) -> str:
+    """'validation' for a seeded-hash fraction of ids, else 'train'; stable across runs and inputs."""
+    digest = hashlib.sha256(f"{seed}:{sample_id}".encode()).digest()
+    u = int.from_bytes(digest[:8], "big") / 2**64  # uniform in [0, 1)
+    return "validation" if u < val_fraction else "train"
+
+
+@dataclass
+class PrepareResult:
+    output_url: str
+    state: str
+    counts: dict[str, Any] = field(default_factory=dict)
+
+
+def _quarantine(raw: sources.RawRow, reason: str) -> dict[str, Any]:
+    return {"input": raw.input, "row": raw.index, "reason": reason, "raw": raw.raw[:500]}
+
+
+def prepare(cfg: PipelineConfig, output_url: str | None = None, force: bool = False) -> PrepareResult:
+    """Run the prepare stage for cfg.data into output_url (default `<work_dir>/prompts`)."""
+    data = cfg.data
+    output_url = output_url or cfg.stage_url("prompts")
+    input_names, raw_rows = sources.read_source(data.source, data.split)
+    inputs = {name: manifest.fingerprint(name) if not name.startswith("hf://") else f"id:{name}"
+              for name in input_names}
+    run = manifest.prepare_stage(STAGE, output_url, {"data": data.to_dict()}, inputs, force=force)
+    if run.state == "done":
+        return PrepareResult(output_url, "done", (manifest.read_manifest(output_url) or {}).get("counts", {}))
+    storage.clean_temporaries(output_url)
+    data_url = storage.join(output_url, io.DATA_DIR)
+    storage.remove(data_url)  # a resumed prepare is redone from the start: it is quick and pure
+
+    started = time.time()
+    seen_prompts: set[bytes] = set()
+    seen_ids: dict[str, int] = {}
+    quarantine: list[dict[str, Any]] = []
+    reasons: Counter[str] = Counter()
+    splits: Counter[str] = Counter()
+    buffer: list[dict[str, Any]] = []
+    counts = {"input_rows": 0, "rows": 0, "duplicates": 0, "quarantined": 0, "shards": 0}
+
+    def flush() -> None:
+        if buffer:
+            io.write_table(storage.join(data_url, io.shard_name(counts["shards"])), buffer, io.PROMPT_SCHEMA)
+            counts["shards"] += 1
+            buffer.clear()
+
+    for raw in raw_rows:
+        if data.limit is not None and counts["rows"] >= data.limit:
+            break
+        counts["input_rows"] += 1
+        if raw.error is not None:
+            quarantine.append(_quarantine(raw, raw.error))
+            reasons[raw.error_kind] += 1
+            continue
+        try:
+            conv = normalise(raw.row)
+        except RowError as e:
+            raw.raw = raw.raw or _raw_text(raw.row)
+            quarantine.append(_quarantine(raw, str(e)))
+            reasons[e.kind] += 1
+            continue
+        prompt_hash = conv.prompt_hash()
+        key = bytes.fromhex(prompt_hash)[:16]
+        if key in seen_prompts:
+            counts["duplicates"] += 1
+            continue
+        sample_id = conv.source_id or f"h{prompt_hash[:24]}"
+        if sample_id in seen_ids:
+            raw.raw = raw.raw or _raw_text(raw.row)
+            quarantine.append(_quarantine(raw, f"duplicate id {sample_id!r} with a different prompt "
+                                               f"(first seen at row {seen_ids[sample_id]})"))
+            reasons["duplicate id"] += 1
+            continue
+        seen_prompts.add(key)
+        seen_ids[sample_id] = raw.index
+        split = split_of(sample_id, data.seed, data.val_fraction)
+        splits[split] += 1
+        buffer.append({
+            "id": sample_id,
+            "source": conv.source or _input_label(raw.input),
+            "split": split,
+            "messages": conv.messages,
+            "original_assistant": conv.original_assistant,
+        })
+        counts["rows"] += 1
+        if len(buffer) >= data.shard_rows:
+            flush()
+    flush()
+    if counts["rows"] == 0:
+        raise DsparkError(f"data.source '{data.source}': no usable conversation "
+                          f"({len(quarantine)} rows quarantined, {counts['duplicates']} duplicates).",
+                          hint="rows need ShareGPT 'conversations', OpenAI 'messages' or 'turns'.")
+    io.write_table(storage.join(output_url, QUARANTINE_NAME), quarantine, io.QUARANTINE_SCHEMA)
+    counts["quarantined"] = len(quarantine)
+    counts["train"] = splits["train"]
+    counts["validation"] = splits["validation"]
+    counts["quarantine_reasons"] = dict(reasons.most_common())
+    run.finish(counts, extra={"inputs": input_names, "row_schema": "prompt_row/v1"},
+               timings={"prepare_seconds": round(time.time() - started, 3)})
+    return PrepareResult(output_url, run.state, counts)
+
+
+def _raw_text(row: Any) -> str:
+    """The start of a row as JSON, for the quarantine's `raw` column."""
+    text = json.dumps(row, ensure_ascii=False, default=str)[:500]
+    return text.encode("utf-8", errors="replace").decode("utf-8")
+
+
+def _input_label(name: str) -> str:
+    """Short source label for rows without one: the dataset id or the file's base name."""
+    if name.startswith("hf://"):
+        return name.removeprefix("hf://").split("[")[0]
+    return storage.basename(name).split(".")[0]

@@ -1,0 +1,378 @@
+"""`dspark data regen`: regenerate every assistant turn through OpenAI-compatible endpoints.
+
+    from dspark_cli.config import load_config
+    cfg = load_config("pipelines/qwen3-4b.toml", ["regen.endpoints=['http://gpu1:8000/v1']"])
+    regen(cfg, "runs/x/prompts", "runs/x/responses")
+
+One `AsyncOpenAI` client per endpoint (its own retries off: `faults.RetryPolicy` decides), with
+`concurrency` workers each. A worker takes one conversation and regenerates it turn by turn, each
+request carrying the regenerated history. Results are committed in batches by `store.ResponseStore`
+from a thread, so the event loop never waits on storage. Resume is keyed by prompt id: ids already
+in the output (answered, rejected or failed) are skipped; `retry_errors` runs only the failed ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import openai
+
+from .. import manifest, storage
+from ..config import PipelineConfig
+from ..console import console
+from ..errors import DsparkError
+from ..settings.regen import RegenSettings
+from . import io
+from .faults import Failure, MalformedResponse, RequestFailed, RetryPolicy, classify
+from .progress import RegenCounters, RegenProgress
+from .store import ResponseStore
+
+STAGE = "data.regen"
+#: Settings that change what is generated; a resumed run must match them (the rest is operational).
+IDENTITY_KEYS = ("model", "temperature", "top_p", "top_k", "min_p", "max_tokens", "thinking",
+                 "keep_truncated", "keep_empty")
+PROBE_TIMEOUT = 15.0
+
+
+@dataclass
+class RegenResult:
+    output_url: str
+    state: str
+    counts: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Turn:
+    """One assistant answer as the server returned it."""
+
+    content: str
+    reasoning: str | None
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def sampling_params(s: RegenSettings) -> dict[str, Any]:
+    """The sampling parameters recorded with each row (and sent with each request)."""
+    return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
+            "max_tokens": s.max_tokens, "enable_thinking": s.thinking}
+
+
+def request_kwargs(s: RegenSettings) -> dict[str, Any]:
+    """Keyword arguments of `chat.completions.create` besides messages: top_k, min_p and the
+    thinking switch travel in `extra_body`, as vLLM and SGLang expect them."""
+    extra: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": s.thinking}}
+    if s.top_k is not None:
+        extra["top_k"] = s.top_k
+    if s.min_p is not None:
+        extra["min_p"] = s.min_p
+    return {"model": s.model, "temperature": s.temperature, "top_p": s.top_p,
+            "max_tokens": s.max_tokens, "extra_body": extra}
+
+
+def parse_completion(response: Any) -> Turn:
+    """A chat completion → Turn; MalformedResponse when it is not one (e.g. a proxy's HTML page)."""
+    try:
+        choice = response.choices[0]
+        message = choice.message
+        content = message.content or ""
+        reasoning = getattr(message, "reasoning_content", None) or getattr(message, "reasoning", None)
+        usage = response.usage
+    except (AttributeError, IndexError, TypeError) as e:
+        raise MalformedResponse(f"not a chat completion: {str(response)[:200]!r}") from e
+    if not isinstance(content, str) or (reasoning is not None and not isinstance(reasoning, str)):
+        raise MalformedResponse("message content is not text")
+    prompt_tokens = int(getattr(usage, "prompt_tokens", 0) or 0)
+    completion_tokens = int(getattr(usage, "completion_tokens", 0) or 0)
+    return Turn(content, reasoning, choice.finish_reason or "unknown", prompt_tokens, completion_tokens)
+
+
+def api_key(s: RegenSettings) -> str:
+    """The key from the environment (never from a file); local servers accept any key."""
+    key = os.environ.get(s.api_key_env)
+    if key:
+        return key
+    if s.api_key_env != "OPENAI_API_KEY":
+        raise DsparkError(f"regen.api_key_env: environment variable {s.api_key_env} is not set.",
+                          hint=f"export {s.api_key_env}=… (the key is never written to any file).")
+    return "EMPTY"
+
+
+async def probe(clients: dict[str, openai.AsyncOpenAI], model: str) -> list[str]:
+    """Endpoints that answer GET /models and serve `model`; one-line DsparkError when none does."""
+
+    async def one(endpoint: str) -> tuple[str, list[str] | None, str]:
+        try:
+            page = await clients[endpoint].with_options(timeout=PROBE_TIMEOUT).models.list()
+            return endpoint, [m.id for m in page.data], ""
+        except Exception as e:  # noqa: BLE001 - every failure means "this endpoint is not usable"
+            failure = classify(e)
+            status = f"HTTP {failure.status_code}: " if failure.status_code else ""
+            return endpoint, None, f"{status}{failure.message}"
+
+    results = await asyncio.gather(*(one(ep) for ep in clients))
+    answering = [(ep, served) for ep, served, _ in results if served is not None]
+    if not answering:
+        detail = "; ".join(f"{ep} ({why})" for ep, _, why in results)
+        raise DsparkError(f"no endpoint answered GET /models: {detail[:600]}",
+                          hint="start a server (e.g. `vllm serve MODEL`) or fix --endpoint (…/v1).")
+    for ep, _, why in results:
+        if why:
+            console.print(f"[yellow]warning:[/] {ep} did not answer ({why[:200]}); not using it.")
+    usable = [ep for ep, served in answering if model in served]
+    if not usable:
+        ep, served = answering[0]
+        names = ", ".join(served[:10]) or "-"
+        raise DsparkError(f"model '{model}' is not served by {ep}; it serves: {names}.",
+                          hint="pass --model with one of those names.")
+    for ep, _served in answering:
+        if ep not in usable:
+            console.print(f"[yellow]warning:[/] {ep} does not serve '{model}'; not using it.")
+    return usable
+
+
+class _Job:
+    """One regen run's async machinery: producer → workers (per endpoint) → batch writer."""
+
+    def __init__(self, settings: RegenSettings, input_url: str, store: ResponseStore, pending: set[str],
+                 next_index: int, counters: RegenCounters, progress: RegenProgress) -> None:
+        self.s = settings
+        self.input_url = input_url
+        self.store = store
+        self.pending = pending
+        self.next_index = next_index
+        self.counters = counters
+        self.progress = progress
+        self.policy = RetryPolicy(settings.max_retries, settings.retry_base_delay, settings.retry_max_delay)
+        self.kwargs = request_kwargs(settings)
+        self.sampling = json.dumps(sampling_params(settings), sort_keys=True)
+        self.ok: list[dict[str, Any]] = []
+        self.rejected: list[dict[str, Any]] = []
+        self.errors: list[dict[str, Any]] = []
+        self.rejected_reasons: dict[str, int] = {}
+
+    async def run(self, endpoints: list[str], clients: dict[str, openai.AsyncOpenAI]) -> None:
+        workers = len(endpoints) * self.s.concurrency
+        rows: asyncio.Queue = asyncio.Queue(maxsize=2 * workers)
+        self._wake = asyncio.Event()
+        self._finished = False
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._produce(rows, workers))
+            writer = group.create_task(self._write_loop())
+            tasks = [group.create_task(self._work(rows, clients[ep], ep))
+                     for ep in endpoints for _ in range(self.s.concurrency)]
+            await asyncio.gather(*tasks)
+            self._finished = True
+            self._wake.set()
+            await writer
+
+    async def _produce(self, rows: asyncio.Queue, workers: int) -> None:
+        """Stream the pending prompt rows shard by shard (reads in a thread), then one stop per worker."""
+        seen: set[str] = set()
+        for shard in io.list_shards(storage.join(self.input_url, io.DATA_DIR)):
+            table = await asyncio.to_thread(io.read_table, shard)
+            for row in table.to_pylist():
+                if row["id"] in self.pending and row["id"] not in seen:
+                    seen.add(row["id"])
+                    await rows.put(row)
+        for _ in range(workers):
+            await rows.put(None)
+
+    async def _work(self, rows: asyncio.Queue, client: openai.AsyncOpenAI, endpoint: str) -> None:
+        while (row := await rows.get()) is not None:
+            await self._conversation(row, client, endpoint)
+            self.counters.done += 1
+            if len(self.ok) + len(self.rejected) + len(self.errors) >= self.s.batch_rows:
+                self._wake.set()
+            self.progress.update()
+
+    async def _complete(self, client: openai.AsyncOpenAI, messages: list[dict[str, str]]) -> Turn:
+        """One chat completion under the retry policy; RequestFailed when it fails for good."""
+        attempt = 0
+        while True:
+            self.counters.requests += 1
+            try:
+                response = await client.chat.completions.create(messages=messages, **self.kwargs)
+                return parse_completion(response)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - classify decides: retry or record
+                failure: Failure = classify(e)
+            if not self.policy.should_retry(attempt, failure):
+                raise RequestFailed(failure, attempt + 1)
+            await asyncio.sleep(self.policy.delay(attempt, failure))
+            attempt += 1
+            self.counters.retries += 1
+
+    async def _conversation(self, row: dict[str, Any], client: openai.AsyncOpenAI, endpoint: str) -> None:
+        """Regenerate each assistant turn (after each user turn), seeing the regenerated history."""
+        history: list[dict[str, str]] = []
+        reasoning: list[str | None] = []
+        finishes: list[str] = []
+        prompt_tokens = completion_tokens = 0
+        reason = None
+        turn = 0
+        for message in row["messages"]:
+            history.append({"role": message["role"], "content": message["content"]})
+            if message["role"] != "user":
+                continue
+            try:
+                answer = await self._complete(client, history)
+            except RequestFailed as e:
+                self.counters.errors += 1
+                self.errors.append({"id": row["id"], "source": row["source"], "split": row["split"],
+                                    "kind": e.failure.kind, "status_code": e.failure.status_code,
+                                    "message": e.failure.message, "endpoint": endpoint, "turn": turn,
+                                    "attempts": e.attempts})
+                return
+            history.append({"role": "assistant", "content": answer.content})
+            reasoning.append(answer.reasoning)
+            finishes.append(answer.finish_reason)
+            prompt_tokens += answer.prompt_tokens
+            completion_tokens += answer.completion_tokens
+            self.counters.prompt_tokens += answer.prompt_tokens
+            self.counters.completion_tokens += answer.completion_tokens
+            turn += 1
+            if answer.finish_reason == "length" and not self.s.keep_truncated:
+                reason = "truncated"
+            elif not answer.content.strip() and not self.s.keep_empty:
+                reason = "empty"
+            if reason:
+                break  # later turns would build on an answer that is dropped anyway
+        out = {"id": row["id"], "source": row["source"], "split": row["split"], "messages": history,
+               "reasoning": reasoning, "thinking": self.s.thinking, "model": self.s.model,
+               "endpoint": endpoint, "sampling": self.sampling, "finish_reasons": finishes,
+               "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+        if reason:
+            self.counters.rejected += 1
+            self.rejected.append({**out, "reason": reason})
+        else:
+            self.counters.ok += 1
+            self.ok.append(out)
+
+    async def _write_loop(self) -> None:
+        """Commit a batch when it is full, every `flush_seconds`, and at the end."""
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.s.flush_seconds)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            finished = self._finished
+            await self._flush()
+            if finished:
+                return
+
+    async def _flush(self) -> None:
+        while self.ok or self.rejected or self.errors:
+            ok, rejected, errors = self._take(self.s.batch_rows)
+            index = self.next_index
+            self.next_index += 1
+            await asyncio.to_thread(self.store.write_batch, index, ok, rejected, errors)
+
+    def _take(self, limit: int) -> tuple[list, list, list]:
+        """Up to `limit` results from the buffers (a batch never exceeds batch_rows)."""
+        taken = []
+        for buffer in (self.ok, self.rejected, self.errors):
+            n = min(len(buffer), max(0, limit))
+            taken.append(buffer[:n])
+            del buffer[:n]
+            limit -= n
+        return taken[0], taken[1], taken[2]
+
+
+def _prompt_ids(input_url: str) -> list[str]:
+    return [row["id"] for row in io.read_rows(input_url, columns=["id"])]
+
+
+def _totals(store: ResponseStore) -> dict[str, Any]:
+    """Counts over the whole output (all runs), for the manifest."""
+    ok = [row for _i, row in io.iter_dir_rows(store.data_url, ["id", "prompt_tokens", "completion_tokens"])]
+    rejected = store.rejected_rows()
+    reasons: dict[str, int] = {}
+    for row in rejected:
+        reasons[row["reason"]] = reasons.get(row["reason"], 0) + 1
+    return {
+        "responses": len(ok),
+        "rejected": len(rejected),
+        "rejected_truncated": reasons.get("truncated", 0),
+        "rejected_empty": reasons.get("empty", 0),
+        "errors": len(store.error_view()),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in ok),
+        "completion_tokens": sum(r["completion_tokens"] for r in ok),
+        "shards": len(io.list_shards(store.data_url)),
+    }
+
+
+def regen(cfg: PipelineConfig, input_url: str | None = None, output_url: str | None = None,
+          force: bool = False, retry_errors: bool = False, show_progress: bool | None = None) -> RegenResult:
+    """Run the regen stage: prompts at input_url (default `<work_dir>/prompts`) → responses."""
+    s = cfg.regen
+    input_url = input_url or cfg.stage_url("prompts")
+    output_url = output_url or cfg.stage_url("responses")
+    if not s.endpoints:
+        raise DsparkError("regen.endpoints is empty.",
+                          hint="pass --endpoint http://HOST:PORT/v1 (repeatable).")
+    if not s.model:
+        raise DsparkError("regen.model is empty.", hint="pass --model with the name the server knows.")
+    if manifest.read_manifest(input_url) is None:
+        raise DsparkError(f"{input_url}: not a finished prompts artifact (no manifest.json).",
+                          hint="run `dspark data prepare` first, or pass --input.")
+    key = api_key(s)
+    identity = {"regen": {k: getattr(s, k) for k in IDENTITY_KEYS}}
+    run = manifest.prepare_stage(STAGE, output_url, identity, {input_url: manifest.fingerprint(input_url)},
+                                 force=force)
+    if run.state == "done" and not retry_errors:
+        return RegenResult(output_url, "done", (manifest.read_manifest(output_url) or {}).get("counts", {}))
+    store = ResponseStore(output_url)
+    state = store.scan()
+    if retry_errors and run.state == "done":
+        storage.remove(run.manifest_url)  # the stage is open again until the retried errors settle
+    ids = _prompt_ids(input_url)
+    pending = set(state.errors) if retry_errors else set(ids) - state.settled
+    counters = RegenCounters()
+    if pending:
+        console.print(f"regen: {len(pending)} of {len(set(ids))} prompts to do "
+                      f"({len(state.settled)} already settled) over {len(s.endpoints)} endpoint(s).")
+        progress = RegenProgress(len(pending), counters, enabled=show_progress)
+        job = _Job(s, input_url, store, pending, state.next_index, counters, progress)
+        with progress:
+            try:
+                asyncio.run(_run(job, s, key))
+            except BaseExceptionGroup as group:  # a worker or the writer failed: show that error
+                raise _first_leaf(group) from None
+    n_errors, n_rejected = store.compact()
+    totals = _totals(store)
+    totals["prompts"] = len(set(ids))
+    totals["requests_this_run"] = counters.requests
+    totals["retries_this_run"] = counters.retries
+    req_s, tok_s = counters.rates()
+    extra = {"endpoints": s.endpoints, "model": s.model, "sampling": sampling_params(s),
+             "api_key_env": s.api_key_env, "concurrency": s.concurrency, "batch_rows": s.batch_rows,
+             "max_retries": s.max_retries, "row_schema": "response_row/v1"}
+    run.finish(totals, extra=extra, timings={"regen_seconds": round(counters.elapsed, 3),
+                                             "requests_per_second": round(req_s, 3),
+                                             "output_tokens_per_second": round(tok_s, 3)})
+    return RegenResult(output_url, run.state, totals)
+
+
+def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
+async def _run(job: _Job, s: RegenSettings, key: str) -> None:
+    clients = {ep: openai.AsyncOpenAI(base_url=ep, api_key=key, max_retries=0, timeout=s.request_timeout)
+               for ep in dict.fromkeys(s.endpoints)}
+    try:
+        endpoints = await probe(clients, s.model)
+        await job.run(endpoints, clients)
+    finally:
+        for client in clients.values():
+            await client.close()

@@ -1,0 +1,164 @@
+"""Where prompts come from: local JSONL / JSON / Parquet files (any fsspec URL, globs, comma lists)
+or a Hugging Face dataset id. Yields raw rows, or the reason a raw record could not be decoded.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .. import storage
+from ..errors import DsparkError
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")
+GLOB_CHARS = "*?["
+
+
+@dataclass
+class RawRow:
+    """One record of an input: `row` decoded, or `error` saying why it could not be."""
+
+    input: str
+    index: int
+    row: Any = None
+    error: str | None = None
+    error_kind: str = ""
+    raw: str = ""
+
+
+def is_local_source(source: str) -> bool:
+    """A path, URL or glob of files (rather than a hub dataset id)."""
+    first = source.split(",")[0].strip()
+    if "://" in first or any(c in first for c in GLOB_CHARS) or first.endswith(LOCAL_SUFFIXES):
+        return True
+    return storage.exists(first)
+
+
+def expand(source: str) -> list[str]:
+    """Comma list of paths/URLs/globs → sorted concrete file URLs; DsparkError if one matches nothing."""
+    urls: list[str] = []
+    for item in (s.strip() for s in source.split(",")):
+        if not item:
+            continue
+        fs, path = storage.url_to_fs(item)
+        protocol = item.split("://", 1)[0] + "://" if "://" in item else ""
+        if any(c in item for c in GLOB_CHARS):
+            matches = sorted(fs.glob(path)) if protocol else sorted(globlib.glob(item))
+            if not matches:
+                raise DsparkError(f"data.source: '{item}' matches no file.")
+            urls += [(protocol + m) if protocol and "://" not in m else m for m in matches]
+        elif fs.isdir(path):
+            found = sorted(p for p in fs.find(path) if p.endswith(LOCAL_SUFFIXES))
+            if not found:
+                raise DsparkError(f"data.source: folder '{item}' holds no .jsonl/.json/.parquet file.")
+            urls += [(protocol + p) if protocol and "://" not in p else p for p in found]
+        elif fs.exists(path):
+            urls.append(item)
+        else:
+            raise DsparkError(f"data.source: file '{item}' not found.")
+    return urls
+
+
+def _snippet(text: str | bytes, limit: int = 500) -> str:
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")
+    return text[:limit]
+
+
+def _lines(url: str, data: bytes) -> Iterator[RawRow]:
+    for i, line in enumerate(data.splitlines()):
+        if not line.strip():
+            continue
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield RawRow(url, i + 1, error=f"line {i + 1}: not valid UTF-8 ({e.reason})",
+                         error_kind="not UTF-8", raw=_snippet(line))
+            continue
+        try:
+            yield RawRow(url, i + 1, row=json.loads(text), raw="")
+        except json.JSONDecodeError as e:
+            yield RawRow(url, i + 1, error=f"line {i + 1}: undecodable JSON ({e.msg})",
+                         error_kind="undecodable JSON", raw=_snippet(text))
+
+
+def _json_records(url: str, data: bytes) -> Iterator[RawRow]:
+    """A .json file: one array of rows (or an object holding one), else treated as JSON Lines."""
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        yield from _lines(url, data)
+        return
+    if isinstance(obj, dict):
+        lists = [v for v in obj.values() if isinstance(v, list)]
+        is_row = bool({"conversations", "messages", "turns"} & set(obj))
+        obj = lists[0] if len(lists) == 1 and not is_row else [obj]
+    if not isinstance(obj, list):
+        raise DsparkError(f"{url}: a JSON file must hold an array of rows.")
+    for i, row in enumerate(obj):
+        yield RawRow(url, i, row=row)
+
+
+def _parquet_records(url: str, data: bytes) -> Iterator[RawRow]:
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(io.BytesIO(data))
+    except Exception as e:  # noqa: BLE001 - any pyarrow failure means the same thing here
+        raise DsparkError(f"{url}: not a readable Parquet file ({e}).") from e
+    index = 0
+    for batch in parquet.iter_batches(batch_size=4096):
+        for row in batch.to_pylist():
+            yield RawRow(url, index, row=row)
+            index += 1
+
+
+def read_local(url: str) -> Iterator[RawRow]:
+    data = storage.read_bytes(url)
+    if url.endswith(".gz"):
+        import gzip
+
+        data = gzip.decompress(data)
+    name = url.removesuffix(".gz")
+    if name.endswith(".parquet"):
+        yield from _parquet_records(url, data)
+    elif name.endswith(".json"):
+        yield from _json_records(url, data)
+    else:
+        yield from _lines(url, data)
+
+
+def read_hub(dataset_id: str, split: str) -> Iterator[RawRow]:
+    """Stream a hub dataset through `datasets`; one clear line when it cannot be reached."""
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(dataset_id, split=split, streaming=True)
+        for i, row in enumerate(ds):
+            yield RawRow(f"hf://{dataset_id}[{split}]", i, row=row)
+    except DsparkError:
+        raise
+    except Exception as e:  # noqa: BLE001 - network, auth, missing dataset: one line for the user
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DsparkError(
+            f"could not load Hugging Face dataset '{dataset_id}' (split '{split}'): {message[:300]}",
+            hint="check the id and your network (HF_HUB_OFFLINE), or pass local files: "
+                 "--source 'data/*.jsonl'.",
+        ) from None
+
+
+def read_source(source: str, split: str) -> tuple[list[str], Iterator[RawRow]]:
+    """(input names for the manifest, raw rows) of data.source."""
+    if is_local_source(source):
+        urls = expand(source)
+
+        def rows() -> Iterator[RawRow]:
+            for url in urls:
+                yield from read_local(url)
+
+        return urls, rows()
+    return [f"hf://{source}"], read_hub(source, split)
