@@ -59,7 +59,10 @@ class CacheDataset(torch.utils.data.Dataset):
         shards = self.meta["shards"]
         # Global index: (shard index, sample index within shard), in shard order.
         index = [(s["index"], j) for s in shards for j in range(s["num_samples"])]
-        self._splits = [sp for s in shards for sp in s["splits"]]
+        self._splits = []
+        for s in shards:
+            held_out = set(s["validation_samples"])
+            self._splits += ["validation" if j in held_out else "train" for j in range(s["num_samples"])]
         if split is not None:
             index = [ix for ix, sp in zip(index, self._splits, strict=True) if sp == split]
             self._splits = [split] * len(index)

@@ -24,6 +24,7 @@ import hashlib
 import os
 import posixpath
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +189,10 @@ def zarr_store(url: str, read_only: bool = True) -> Any:
 
 def open_shard(url: str) -> zarr.Group:
     return zarr.open_group(store=zarr_store(url), mode="r", zarr_format=3)
+
+
+# The commit marker lives inside the shard group; zarr warns about the foreign object. It is ours.
+warnings.filterwarnings("ignore", message=f"Object at {storage.COMMIT_MARKER} is not recognized")
 
 
 def list_committed(url: str, num_shards: int) -> list[int]:

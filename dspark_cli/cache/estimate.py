@@ -1,0 +1,58 @@
+"""`dspark cache estimate`: the cache's size before building it (tokenizer and config only, no weights).
+
+Renders (a sample of) the responses exactly as `build` would, counts tokens and supervised tokens,
+and applies the layout's bytes per token. Compression ratios are the ones measured on real
+SmolLM2-135M states (`make bench-cache`, docs/cache.md); the uncompressed figure is exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from ..config import PipelineConfig
+from .build import INPUT_COLUMNS, load_target_config, render_rows
+from .target import hidden_size, num_target_layers, resolve_layers
+
+#: Measured stored/raw ratios of the hidden-state arrays (see docs/cache.md).
+EXPECTED_RATIO = {("bf16", "blosc"): 1 / 1.27, ("bf16", "zstd"): 1 / 1.22, ("bf16", "none"): 1.0,
+                  ("fp8", "blosc"): 1 / 1.08, ("fp8", "zstd"): 1 / 1.08, ("fp8", "none"): 1.0}
+
+
+def layout_bytes(tokens: int, loss_tokens: int, m: int, d: int, storage_dtype: str) -> int:
+    """Uncompressed bytes of our layout: ids + mask per token, m layers per token, final per loss token."""
+    if storage_dtype == "fp8":
+        return tokens * (4 + 1 + m * d + 2 * m) + loss_tokens * (d + 2)
+    return tokens * (4 + 1 + 2 * m * d) + loss_tokens * 2 * d
+
+
+def estimate_cache(cfg: PipelineConfig, responses_url: str, sample: int = 2000) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from ..data.io import read_rows
+
+    config = load_target_config(cfg)
+    layers = resolve_layers(cfg.target.layers, num_target_layers(config))
+    m, d = len(layers), hidden_size(config)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target.model, revision=cfg.target.revision,
+                                              trust_remote_code=cfg.target.trust_remote_code)
+    total_rows = 0
+    rows: list[dict[str, Any]] = []
+    for row in read_rows(responses_url, columns=INPUT_COLUMNS):
+        total_rows += 1
+        if len(rows) < sample:
+            rows.append(row)
+    samples, skipped, _ = render_rows(tokenizer, list(itertools.islice(rows, sample)), cfg.cache.max_length,
+                                      cfg.cache.min_loss_tokens)
+    scale = total_rows / max(1, len(rows))
+    tokens = int(sum(len(s.input_ids) for s in samples) * scale)
+    loss = int(sum(sum(s.loss_mask) for s in samples) * scale)
+    raw = layout_bytes(tokens, loss, m, d, cfg.cache.storage_dtype)
+    expected = int(raw * EXPECTED_RATIO[(cfg.cache.storage_dtype, cfg.cache.compression)])
+    reference = tokens * (6 + 2 * d * (m + 1))
+    return {"rows": total_rows, "rendered_rows": len(rows), "samples": int(len(samples) * scale),
+            "skipped": {k: int(v * scale) for k, v in skipped.items()}, "tokens": tokens,
+            "loss_tokens": loss, "layers": layers, "hidden_size": d, "storage_dtype": cfg.cache.storage_dtype,
+            "compression": cfg.cache.compression, "uncompressed_bytes": raw, "expected_bytes": expected,
+            "reference_bytes": reference, "vs_reference": round(expected / max(1, reference), 3),
+            "exact": len(rows) == total_rows}
