@@ -34,6 +34,16 @@ class TrainSettings(Section):
     keep_last: int = 3
     log_every: int = 10
     seed: int = 0
+    #: Fraction of the peak lr the cosine decays to.
+    min_lr_ratio: float = 0.1
+    #: auto (bf16 autocast where the device supports it), bf16, or fp32.
+    precision: str = "auto"
+    #: auto (cuda when present, else cpu), cpu, cuda, cuda:N. Under torchrun each rank takes its local GPU.
+    device: str = "auto"
+    #: Weight dtype of the exported serving folder.
+    export_dtype: str = "bfloat16"
+    #: Also write the frozen embedding and lm_head into the export (engines usually share the target's).
+    export_include_embeddings: bool = False
 
     def validate(self) -> None:
         if self.num_anchors <= 0:
@@ -48,3 +58,23 @@ class TrainSettings(Section):
             self.fail("max_steps", f"must be > 0, got {self.max_steps}.")
         if self.gamma_decay <= 0:
             self.fail("gamma_decay", f"must be > 0, got {self.gamma_decay}.")
+        for key in ("ce_weight", "tv_weight", "conf_weight", "weight_decay", "grad_clip"):
+            if getattr(self, key) < 0:
+                self.fail(key, f"must be >= 0, got {getattr(self, key)}.")
+        if self.global_batch % self.micro_batch:
+            self.fail("global_batch", f"({self.global_batch}) must be a multiple of train.micro_batch "
+                      f"({self.micro_batch}).")
+        if self.epochs <= 0:
+            self.fail("epochs", f"must be > 0, got {self.epochs}.")
+        if self.loss_chunk_blocks < 0:
+            self.fail("loss_chunk_blocks", f"must be >= 0 (0: no chunking), got {self.loss_chunk_blocks}.")
+        if self.save_every <= 0 or self.log_every <= 0:
+            self.fail("save_every", "and train.log_every must be > 0.")
+        if self.keep_last <= 0:
+            self.fail("keep_last", f"must be > 0, got {self.keep_last}.")
+        if not 0 <= self.min_lr_ratio <= 1:
+            self.fail("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}.")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            self.fail("precision", f"must be auto, bf16 or fp32, got {self.precision!r}.")
+        if self.export_dtype not in ("bfloat16", "float16", "float32"):
+            self.fail("export_dtype", f"must be bfloat16, float16 or float32, got {self.export_dtype!r}.")

@@ -1,0 +1,122 @@
+"""Resumable checkpoints on any fsspec URL: a directory committed by a marker written last.
+
+    {url}/checkpoints/step-00000500/   model.safetensors, drafter_config.json, optimizer.pt,
+                                       trainer_state.json, rng-rank{r}.pt, _COMMITTED
+    {url}/checkpoints/latest           "step-00000500" (written after the commit)
+
+A kill at any moment leaves either a committed directory or one without a marker, which resume
+ignores and rotation removes. `latest` is a hint; the newest committed directory wins.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import storage
+from ..model.drafter import DSparkDrafter
+from ..model.export import save_weights
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def checkpoints_url(url: str) -> str:
+    return storage.join(url, CHECKPOINTS)
+
+
+def _save_torch(url: str, obj: Any) -> None:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    storage.write_bytes(url, buf.getvalue())
+
+
+def _load_torch(url: str) -> Any:
+    return torch.load(io.BytesIO(storage.read_bytes(url)), map_location="cpu", weights_only=False)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_rng(url: str, step: int, rank: int) -> None:
+    """Every rank writes its own RNG state into the (not yet committed) step directory."""
+    _save_torch(storage.join(checkpoints_url(url), step_name(step), f"rng-rank{rank}.pt"), rng_state())
+
+
+def save_checkpoint(url: str, step: int, drafter: DSparkDrafter, optimizer: torch.optim.Optimizer,
+                    scheduler: Any, state: dict[str, Any], keep_last: int) -> str:
+    """Rank 0: weights, optimizer, scheduler, trainer state; commit; point `latest`; rotate."""
+    ckpt = storage.join(checkpoints_url(url), step_name(step))
+    save_weights(drafter, ckpt)
+    _save_torch(storage.join(ckpt, "optimizer.pt"), {"optimizer": optimizer.state_dict(),
+                                                     "scheduler": scheduler.state_dict()})
+    storage.write_json(storage.join(ckpt, "trainer_state.json"), {"step": step, **state})
+    storage.commit(ckpt, {"step": step})
+    storage.write_text(storage.join(checkpoints_url(url), LATEST), step_name(step) + "\n")
+    rotate(url, keep_last)
+    return ckpt
+
+
+def committed_steps(url: str) -> list[int]:
+    root = checkpoints_url(url)
+    steps = []
+    for name in storage.listdir(root):
+        if name.startswith("step-") and storage.is_committed(storage.join(root, name)):
+            steps.append(int(name.removeprefix("step-")))
+    return sorted(steps)
+
+
+def latest_checkpoint(url: str) -> str | None:
+    """URL of the newest committed checkpoint, or None."""
+    steps = committed_steps(url)
+    return storage.join(checkpoints_url(url), step_name(steps[-1])) if steps else None
+
+
+def rotate(url: str, keep_last: int) -> None:
+    """Keep the newest keep_last committed checkpoints; drop older ones and uncommitted leftovers."""
+    root = checkpoints_url(url)
+    steps = committed_steps(url)
+    keep = {step_name(s) for s in steps[-keep_last:]}
+    newest = steps[-1] if steps else -1
+    for name in storage.listdir(root):
+        if not name.startswith("step-") or name in keep:
+            continue
+        committed = storage.is_committed(storage.join(root, name))
+        if committed or int(name.removeprefix("step-")) < newest:
+            storage.remove(storage.join(root, name))
+
+
+def load_checkpoint(ckpt_url: str, drafter: DSparkDrafter, optimizer: torch.optim.Optimizer,
+                    scheduler: Any, rank: int) -> dict[str, Any]:
+    """Restore weights, optimizer, scheduler and this rank's RNG; return the trainer state."""
+    from safetensors.torch import load as st_load
+
+    weights = st_load(storage.read_bytes(storage.join(ckpt_url, "model.safetensors")))
+    drafter.load_state_dict(weights, strict=False)
+    opt = _load_torch(storage.join(ckpt_url, "optimizer.pt"))
+    optimizer.load_state_dict(opt["optimizer"])
+    scheduler.load_state_dict(opt["scheduler"])
+    rng_url = storage.join(ckpt_url, f"rng-rank{rank}.pt")
+    if storage.exists(rng_url):
+        set_rng_state(_load_torch(rng_url))
+    return storage.read_json(storage.join(ckpt_url, "trainer_state.json"))

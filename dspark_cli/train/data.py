@@ -1,0 +1,79 @@
+"""Which samples each rank reads at each step, and turning them into packed blocks.
+
+The order is a seeded permutation per epoch; step s of an epoch takes samples
+order[s·G : (s+1)·G] (G = global batch); rank r takes its contiguous share of those and splits it
+into micro-batches. The micro-batches of a step are therefore the same whatever the number of
+ranks, which is what makes a 2-process run match a 1-process run, and a resumed run match an
+uninterrupted one (the data position is just the step number).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import DsparkError
+from ..model.config import DrafterConfig
+from .anchors import anchor_generator, sample_anchors
+from .blocks import PackedBatch, pack
+
+
+@dataclass
+class StepPlan:
+    num_samples: int
+    global_batch: int
+    micro_batch: int
+    world_size: int = 1
+    rank: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        per_rank, rem = divmod(self.global_batch, self.world_size)
+        if rem or per_rank % self.micro_batch:
+            raise DsparkError(f"train.global_batch {self.global_batch} must split evenly into "
+                              f"{self.world_size} rank(s) × micro-batches of {self.micro_batch}.")
+        if self.num_samples < self.global_batch:
+            raise DsparkError(f"the cache has {self.num_samples} training samples, fewer than "
+                              f"train.global_batch = {self.global_batch}.",
+                              hint="lower train.global_batch or cache more samples.")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per rank per optimizer step."""
+        return self.global_batch // self.world_size // self.micro_batch
+
+    def order(self, epoch: int) -> list[int]:
+        gen = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+        return torch.randperm(self.num_samples, generator=gen).tolist()
+
+    def micro_batches(self, step: int) -> tuple[int, list[list[int]]]:
+        """(epoch, this rank's micro-batches of sample indices) for a global step."""
+        epoch, s = divmod(step, self.steps_per_epoch)
+        chosen = self.order(epoch)[s * self.global_batch:(s + 1) * self.global_batch]
+        share = self.global_batch // self.world_size
+        mine = chosen[self.rank * share:(self.rank + 1) * share]
+        return epoch, [mine[i:i + self.micro_batch] for i in range(0, share, self.micro_batch)]
+
+
+def load_batch(dataset: Sequence[dict], indices: list[int], epoch: int, num_anchors: int, seed: int,
+               config: DrafterConfig) -> PackedBatch:
+    """Read samples, draw their anchors (seeded per sample and epoch), pack.
+
+    A micro-batch without any anchor still yields one unsupervised block (zero loss, zero
+    gradient), so every DDP rank runs the same number of backward passes.
+    """
+    samples = [dataset[i] for i in indices]
+    anchors = [sample_anchors(s["loss_mask"], num_anchors, anchor_generator(seed, epoch, i))
+               for s, i in zip(samples, indices, strict=True)]
+    if all(a.numel() == 0 for a in anchors):
+        anchors[0] = torch.zeros(1, dtype=torch.long)
+        batch = pack(samples, anchors, config)
+        batch.valid.zero_()
+        return batch
+    return pack(samples, anchors, config)

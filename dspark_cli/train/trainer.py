@@ -1,0 +1,253 @@
+"""`dspark train`: the training loop, single process or DDP under torchrun, resumable.
+
+    dspark train --cache runs/x/cache --output runs/x/train
+    torchrun --nproc_per_node 8 -m dspark_cli.cli train --cache s3://b/cache --output s3://b/train
+
+The loop reads in the order it runs: lr → micro-steps (forward, backward; DDP syncs on the last)
+→ clip → step → log → checkpoint. Rank 0 does the I/O; every rank writes its RNG state into the
+checkpoint before rank 0 commits it. The data position is the step number (train/data.py), so a
+resumed run continues with exactly the samples and anchors an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import storage
+from ..config import PipelineConfig
+from ..console import console
+from ..errors import DsparkError
+from ..manifest import fingerprint, prepare_stage
+from ..model.attention import dense_mask, flex_block_mask, use_flex
+from ..model.config import DrafterConfig
+from ..model.drafter import DSparkDrafter
+from ..model.export import export_drafter
+from ..model.frozen import attach_frozen, load_target_config
+from . import checkpoint as ckpt
+from .data import StepPlan, load_batch
+from .loss import DrafterLoss, LossWeights, summarize
+from .metrics import MetricsLog
+
+STAGE = "train"
+
+
+@dataclass
+class Dist:
+    """This process's place in a torchrun launch (world 1 when launched plainly)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls, device_type: str) -> Dist:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        return cls(int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0")))
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    return device
+
+
+def autocast_for(precision: str, device: torch.device) -> Any:
+    """bf16 autocast where supported ('auto': CUDA with bf16), else full precision."""
+    use_bf16 = precision == "bf16" or (
+        precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    if not use_bf16:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float) -> Callable[[int], float]:
+    """Linear warmup to the peak, then cosine down to min_ratio of it."""
+    warmup = int(round(warmup_ratio * total_steps))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def open_dataset(cfg: PipelineConfig, cache_url: str) -> Sequence[dict]:
+    from ..cache.reader import CacheDataset
+
+    return CacheDataset(cache_url, expect_layers=cfg.target.layers or None, split="train")
+
+
+def drafter_config_for(cfg: PipelineConfig, meta: dict[str, Any]) -> DrafterConfig:
+    """Architecture from the target config + [model] + the cache's layers."""
+    target = cfg.target.model or meta.get("target", "")
+    if not target:
+        raise DsparkError("no target model: set target.model (the folder or id the cache was built from).")
+    layers = list(cfg.target.layers or meta.get("layers", []))
+    target_config = load_target_config(target, cfg.target.trust_remote_code)
+    config = DrafterConfig.from_target(target_config, layers=layers, mask_token_id=cfg.target.mask_token_id,
+                                       model_settings=cfg.model, target_model=target)
+    if meta.get("hidden_size") and int(meta["hidden_size"]) != config.hidden_size:
+        raise DsparkError(f"the cache's hidden size {meta['hidden_size']} differs from the target's "
+                          f"{config.hidden_size} ({target}).")
+    return config
+
+
+def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = False,
+          dataset: Sequence[dict] | None = None,
+          on_step_end: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any] | None:
+    """Train (or resume) a drafter from a cache; returns the stage manifest (None off rank 0).
+
+    `dataset` replaces the cache reader (any sequence of contract-3 sample dicts);
+    `on_step_end(step, record)` is called after every optimizer step (monitoring, tests).
+    """
+    tc = cfg.train
+    device_type = resolve_device(tc.device, 0).type
+    world = Dist.from_env(device_type)
+    device = resolve_device(tc.device, world.local_rank)
+    if dataset is None:
+        dataset = open_dataset(cfg, cache_url)
+    meta = dict(getattr(dataset, "meta", {}) or {})
+    dcfg = drafter_config_for(cfg, meta)
+
+    stage_config = {"target": cfg.target.to_dict(), "model": cfg.model.to_dict(), "train": tc.to_dict()}
+    inputs = {cache_url: fingerprint(cache_url)}
+    if world.main:
+        run = prepare_stage(STAGE, output_url, stage_config, inputs, force=force)
+    world.barrier()
+    if not world.main:
+        run = prepare_stage(STAGE, output_url, stage_config, inputs, force=False)
+    if run.state == "done":
+        if world.main:
+            console.print(f"[green]✓[/] train: {output_url} is complete; nothing to do (use --force).")
+        return None
+
+    plan = StepPlan(len(dataset), tc.global_batch, tc.micro_batch, world.world_size, world.rank, tc.seed)
+    total_steps = tc.max_steps or tc.epochs * plan.steps_per_epoch
+
+    torch.manual_seed(tc.seed)
+    drafter = DSparkDrafter(dcfg)
+    attach_frozen(drafter, dcfg.target_model)
+    drafter.to(device)
+    module: torch.nn.Module = DrafterLoss(drafter, LossWeights(tc.ce_weight, tc.tv_weight, tc.conf_weight,
+                                                               tc.gamma_decay), tc.loss_chunk_blocks)
+    if world.world_size > 1:
+        module = torch.nn.parallel.DistributedDataParallel(
+            module, device_ids=[device.index] if device.type == "cuda" else None)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, tc.warmup_ratio,
+                                                                       tc.min_lr_ratio))
+    start_step = 0
+    latest = ckpt.latest_checkpoint(output_url)
+    if latest is not None:
+        state = ckpt.load_checkpoint(latest, drafter, optimizer, scheduler, world.rank)
+        start_step = int(state["step"])
+        if world.main:
+            console.print(f"[yellow]↻[/] train: resuming from {latest} (step {start_step}/{total_steps}).")
+    elif world.main:
+        console.print(f"[cyan]▶[/] train: {total_steps} steps × {tc.global_batch} samples on "
+                      f"{world.world_size} rank(s), {device}; writing {output_url}.")
+    storage.clean_temporaries(output_url) if world.main else None
+    log = MetricsLog(output_url, start_step, enabled=world.main)
+    flex = use_flex(device)
+    started = time.time()
+    record: dict[str, Any] = {}
+
+    for step in range(start_step, total_steps):
+        t0 = time.time()
+        lr = scheduler.get_last_lr()[0]
+        epoch, micro = plan.micro_batches(step)
+        totals: dict[str, torch.Tensor] = {}
+        module.train()
+        for i, indices in enumerate(micro):
+            batch = load_batch(dataset, indices, epoch, tc.num_anchors, tc.seed, dcfg).to(device)
+            mask = flex_block_mask(batch.layout) if flex else dense_mask(batch.layout)
+            last = i == len(micro) - 1
+            sync = nullcontext() if (last or world.world_size == 1) else module.no_sync()
+            with sync:
+                with autocast_for(tc.precision, device):
+                    loss, stats = module(batch, mask)
+                (loss / len(micro)).backward()
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0) + v.float().cpu()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip) if tc.grad_clip > 0 else None
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        # Means over the global batch: loss terms are per-micro-batch means; slot sums add up.
+        for k in ("loss", "ce", "tv", "conf_bce"):
+            totals[k] = totals[k] / len(micro) / world.world_size
+        packed = torch.cat([totals[k].reshape(-1) for k in sorted(totals)])
+        packed = world.all_sum(packed)
+        offset = 0
+        for k in sorted(totals):
+            n = totals[k].numel()
+            totals[k] = packed[offset:offset + n].reshape(totals[k].shape)
+            offset += n
+        elapsed = time.time() - t0
+        record = {"step": step + 1, "total_steps": total_steps, "epoch": epoch, "lr": lr,
+                  **summarize(totals, drafter.confidence_head is not None),
+                  "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                  "anchor_slots": int(totals["blocks"]) * dcfg.block_size,
+                  "tokens_per_s": float(totals["blocks"]) * dcfg.block_size / max(elapsed, 1e-9),
+                  "elapsed_s": round(time.time() - started, 3)}
+        if (step + 1) % tc.log_every == 0 or step + 1 == total_steps or step == start_step:
+            log.log(record)
+        if (step + 1) % tc.save_every == 0 or step + 1 == total_steps:
+            ckpt.save_rng(output_url, step + 1, world.rank)
+            world.barrier()
+            if world.main:
+                ckpt.save_checkpoint(output_url, step + 1, drafter, optimizer, scheduler,
+                                     {"epoch": epoch, "total_steps": total_steps}, tc.keep_last)
+            world.barrier()
+        if on_step_end is not None:
+            on_step_end(step + 1, record)
+    log.close()
+
+    manifest = None
+    if world.main:
+        export_url = storage.join(output_url, "export")
+        export_drafter(drafter, export_url, include_embeddings=tc.export_include_embeddings,
+                       dtype=tc.export_dtype)
+        final = ckpt.latest_checkpoint(output_url)
+        manifest = run.finish(
+            counts={"steps": total_steps, "samples_seen": total_steps * tc.global_batch,
+                    "train_samples": len(dataset)},
+            extra={"drafter_config": dcfg.to_dict(), "export": export_url, "checkpoint": final,
+                   "world_size": world.world_size, "final_metrics": record},
+        )
+        console.print(f"[green]✓[/] train: exported {export_url}")
+    world.barrier()
+    if world.world_size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+    return manifest
