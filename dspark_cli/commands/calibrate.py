@@ -1,9 +1,58 @@
-"""`dspark calibrate`: (to be written)."""
+"""`dspark calibrate`: Sequential Temperature Scaling of the drafter's confidence head.
+
+    dspark calibrate --target runs/x/target --drafter runs/x/train --dataset runs/x/prompts
+    dspark calibrate … --dataset held_out.jsonl --num-prompts 64 --max-new-tokens 128
+
+Writes calibration.json (the STS file serving engines load) and reliability.png.
+"""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
+
+from ..console import console, out
+from ._common import load
+from ._options import ConfigOpt, ForceOpt, SetOpt
+
+
+def calibrate_cmd(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    target: Annotated[str | None, typer.Option(help="Target model folder or hub id (target.model).")] = None,
+    drafter: Annotated[str | None, typer.Option(
+        help="Train artifact, checkpoint dir or export folder (default: <work_dir>/train).")] = None,
+    dataset: Annotated[str | None, typer.Option(
+        help="Prompt/response artifact (validation split) or a JSONL file (default: <work_dir>/prompts).")] = None,
+    output: Annotated[str | None, typer.Option("--output", "-o",
+                                               help="Output URL (default: <work_dir>/calibration).")] = None,
+    num_prompts: Annotated[int | None, typer.Option(help="Held-out conversations decoded.")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(help="Tokens generated per turn at most.")] = None,
+    temperature: Annotated[float | None, typer.Option(help="Sampling temperature while recording.")] = None,
+) -> None:
+    """Record confidences and acceptance on held-out prompts; fit T_1..T_γ left to right."""
+    from ..decode.stages import run_calibrate
+
+    cfg = load(config, set_, target={"model": target}, calibrate={
+        "dataset": dataset, "drafter": drafter, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
+        "temperature": temperature})
+    output = output or cfg.stage_url("calibration")
+    drafter_url = cfg.calibrate.drafter or cfg.stage_url("train")
+    dataset_url = cfg.calibrate.dataset or cfg.stage_url("prompts")
+    console.print(f"[cyan]▶[/] calibrate: {drafter_url} on {dataset_url} → {output}")
+    result = run_calibrate(cfg, cfg.target.model, drafter_url, dataset_url, output, force=force)
+    if result is None:
+        from .. import storage
+
+        console.print(f"[green]✓[/] calibrate: {output} is complete; nothing to do (use --force to rerun).")
+        result = storage.read_json(storage.join(output, "calibration.json"))
+    temps = ", ".join(f"{t:.3f}" for t in result["temperatures"])
+    out.print(f"temperatures: [{temps}]  ECE {result['ece_before']:.4f} → {result['ece_after']:.4f} "
+              f"({result['num_samples']} rounds) → {output}/calibration.json")
 
 
 def register(app: typer.Typer) -> None:
-    """Add the `calibrate` commands to the app."""
+    """Add the `calibrate` command to the app."""
+    app.command("calibrate")(calibrate_cmd)

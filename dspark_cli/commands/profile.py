@@ -1,9 +1,59 @@
-"""`dspark profile`: (to be written)."""
+"""`dspark profile`: the target's verification steps/s as a function of batch tokens B.
+
+    dspark profile --target runs/x/target --batch-tokens 1,2,4,8,16,32,64 -o runs/x/profile
+
+Writes sps.json (the SPS table `dspark eval --sps` reads) and sps.png.
+"""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
+
+from ..console import console, out
+from ._common import load
+from ._options import ConfigOpt, ForceOpt, SetOpt
+
+
+def profile_cmd(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    target: Annotated[str | None, typer.Option(help="Target model folder or hub id (target.model).")] = None,
+    output: Annotated[str | None, typer.Option("--output", "-o",
+                                               help="Output URL (default: <work_dir>/profile).")] = None,
+    batch_tokens: Annotated[str | None, typer.Option(
+        help="Comma list of B to measure (default 1,2,3,4,6,8,12,…,256).")] = None,
+    context_length: Annotated[int, typer.Option(help="Cached context length each step attends to.")] = 128,
+    repeats: Annotated[int, typer.Option(help="Timed repeats per B (the median is kept).")] = 5,
+    dtype: Annotated[str | None, typer.Option(help="bfloat16, float16 or float32 (target.dtype).")] = None,
+    device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N (target.device).")] = None,
+) -> None:
+    """Measure SPS(B) on this hardware."""
+    from ..decode.stages import run_profile
+    from ..errors import DsparkError
+
+    cfg = load(config, set_, target={"model": target, "dtype": dtype, "device": device})
+    try:
+        grid = [int(b) for b in batch_tokens.split(",") if b.strip()] if batch_tokens else None
+    except ValueError:
+        raise DsparkError(f"--batch-tokens {batch_tokens!r}: expected comma-separated integers.") from None
+    if grid is not None and (not grid or min(grid) < 1):
+        raise DsparkError(f"--batch-tokens {batch_tokens!r}: every B must be >= 1.")
+    if repeats < 1 or context_length < 1:
+        raise DsparkError("--repeats and --context-length must be >= 1.")
+    output = output or cfg.stage_url("profile")
+    console.print(f"[cyan]▶[/] profile: {cfg.target.model} → {output}")
+    table = run_profile(cfg, cfg.target.model, output, grid, context_length, repeats, force=force)
+    if table is None:
+        console.print(f"[green]✓[/] profile: {output} is complete; nothing to do (use --force to rerun).")
+        return
+    for b, s in zip(table.batch_tokens, table.steps_per_second, strict=True):
+        out.print(f"B={b:5d}  {s:9.2f} steps/s  {b * s:10.1f} tokens/s")
+    out.print(f"SPS table: {output}/sps.json")
 
 
 def register(app: typer.Typer) -> None:
-    """Add the `profile` commands to the app."""
+    """Add the `profile` command to the app."""
+    app.command("profile")(profile_cmd)

@@ -103,8 +103,9 @@ def profile_target(model: torch.nn.Module, batch_tokens: list[int], context_leng
     vocab = vocab_size or model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     ctx = torch.randint(0, vocab, (1, context_length), generator=gen).to(device)
-    cache = DynamicCache()
-    model(input_ids=ctx, past_key_values=cache, use_cache=True)
+    cache = DynamicCache(config=model.config)
+    kw = cache_kwarg(model)
+    model(input_ids=ctx, use_cache=True, **{kw: cache})
     sps: list[float] = []
     for b in batch_tokens:
         ids = torch.randint(0, vocab, (1, b), generator=gen).to(device)
@@ -113,17 +114,35 @@ def profile_target(model: torch.nn.Module, batch_tokens: list[int], context_leng
         for i in range(warmup + repeats):
             _sync(device)
             t0 = time.perf_counter()
-            model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, position_ids=pos, use_cache=True, **{kw: cache})
             _sync(device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
-            cache.crop(context_length)
+            crop_cache(cache, context_length)
         times.sort()
         sps.append(1.0 / times[len(times) // 2])
     meta = {"context_length": context_length, "repeats": repeats, "device": str(device),
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "threads": torch.get_num_threads()}
     return SpsTable(list(batch_tokens), sps, meta)
+
+
+def cache_kwarg(model: Any) -> str:
+    """Transformers 5 renamed the forward's `past_key_values` to `cache`; use whichever it takes."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def crop_cache(cache: object, length: int) -> None:
+    """Keep the first `length` positions of a DynamicCache.
+
+    `crop(-n)` (remove n from the end) means the same in every Transformers version; a positive
+    absolute length is refused by Transformers 5.
+    """
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
 
 
 def _sync(device: torch.device) -> None:

@@ -1,0 +1,130 @@
+"""Turn decoding statistics into the eval report (JSON, schema `eval_report`) and a rich table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from rich.table import Table
+
+from .calibrate import RoundRecords, scale
+from .scheduler import threshold_lengths
+from .specdec import DecodeStats
+
+DEFAULT_THRESHOLDS = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+
+
+def position_acceptance(stats: DecodeStats) -> dict[str, list]:
+    """Per slot k: how often it was verified with every earlier slot accepted, and accepted then.
+
+    Conditional acceptance = accepted / reached (None when slot k was never reached).
+    """
+    reached, accepted = [0] * stats.gamma, [0] * stats.gamma
+    for r in stats.rounds:
+        for k in range(r.verified):
+            if k <= r.accepted:
+                reached[k] += 1
+            if k < r.accepted:
+                accepted[k] += 1
+    conditional = [a / n if n else None for a, n in zip(accepted, reached, strict=True)]
+    return {"reached": reached, "accepted": accepted, "conditional": conditional}
+
+
+def records(stats: DecodeStats) -> RoundRecords | None:
+    """Rounds that carry confidences, in the form calibration and the sweep read."""
+    rows = [r for r in stats.rounds if r.confidences is not None]
+    if not rows:
+        return None
+    return RoundRecords.from_lists([r.confidences for r in rows], [r.verified for r in rows],
+                                   [r.accepted for r in rows])
+
+
+def threshold_sweep(stats: DecodeStats, thresholds: list[float],
+                    temperatures: list[float] | None = None) -> list[dict[str, Any]]:
+    """Paper Fig. 5: verify while the (calibrated) prefix survival ≥ t; count per decoding step.
+
+    Counterfactual from the recorded rounds: a slot's acceptance does not depend on how many slots
+    are verified, so a shorter verification accepts min(ℓ_t, a) tokens; ℓ_t is capped by the ℓ
+    actually verified (exact with the fixed schedule).
+    """
+    rec = records(stats)
+    if rec is None:
+        return []
+    conf = scale(rec.confidences, temperatures) if temperatures else rec.confidences
+    out = []
+    for t in thresholds:
+        lengths = np.array(threshold_lengths(conf.tolist(), t, rec.verified.tolist()))
+        acc = np.minimum(lengths, rec.accepted)
+        verified = lengths.sum()
+        out.append({"threshold": t, "accepted_per_step": float(acc.mean()),
+                    "rejected_per_step": float((lengths - acc).mean()),
+                    "acceptance_rate": float(acc.sum() / verified) if verified else None})
+    return out
+
+
+def scheduler_summary(stats: DecodeStats, policy: str, concurrency: int) -> dict[str, Any]:
+    """Tokens verified per round, τ per request, modelled Θ and the budget per request (Fig. 8)."""
+    batches = stats.batches
+    n = max(len(batches), 1)
+    request_rounds = sum(b.requests for b in batches) or 1
+    return {
+        "policy": policy,
+        "concurrency": concurrency,
+        "rounds": len(batches),
+        "verified_per_round": sum(b.batch_tokens for b in batches) / n,
+        "tau_per_request": sum(b.emitted for b in batches) / request_rounds,
+        "theta": sum(b.theta for b in batches) / n,
+        "budget_per_request": sum(b.batch_tokens - b.requests for b in batches) / request_rounds,
+    }
+
+
+def dataset_report(name: str, url: str, conversations: int, stats: DecodeStats,
+                   baseline: DecodeStats | None, policy: str, concurrency: int,
+                   thresholds: list[float], temperatures: list[float] | None,
+                   sweep: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    rounds = len(stats.rounds)
+    accepted = sum(r.accepted for r in stats.rounds)
+    verified = sum(r.verified for r in stats.rounds)
+    spec_tps = stats.new_tokens / stats.seconds if stats.seconds > 0 else None
+    base_tps = baseline.new_tokens / baseline.seconds if baseline and baseline.seconds > 0 else None
+    return {
+        "name": name,
+        "url": url,
+        "conversations": conversations,
+        "turns": stats.turns,
+        "rounds": rounds,
+        "new_tokens": stats.new_tokens,
+        # τ as the paper reports it: tokens per round, the correction/bonus token included.
+        "tau": (accepted + rounds) / rounds if rounds else None,
+        "drafted": rounds * stats.gamma,
+        "verified": verified,
+        "accepted": accepted,
+        "acceptance_rate": accepted / verified if verified else None,
+        "position_acceptance": position_acceptance(stats),
+        "tokens_per_second": {"speculative": spec_tps, "target_only": base_tps,
+                              "speedup": spec_tps / base_tps if spec_tps and base_tps else None,
+                              "speculative_seconds": stats.seconds,
+                              "target_only_seconds": baseline.seconds if baseline else None,
+                              "target_only_tokens": baseline.new_tokens if baseline else None},
+        "scheduler": [scheduler_summary(stats, policy, concurrency), *(sweep or [])],
+        "threshold_sweep": threshold_sweep(stats, thresholds, temperatures),
+    }
+
+
+def render_table(report: dict[str, Any]) -> Table:
+    table = Table(title=f"dspark eval — γ={report['block_size']}, T={report['temperature']}, "
+                        f"schedule={report['schedule']}")
+    for col in ("dataset", "τ", "accept", "drafted", "verified", "accepted", "tok/s spec", "tok/s target",
+                "speedup", "cond. acceptance by position"):
+        table.add_column(col, justify="left" if col in ("dataset", "cond. acceptance by position") else "right")
+
+    def f(x: float | None, digits: int = 2) -> str:
+        return "—" if x is None else f"{x:.{digits}f}"
+
+    for d in report["datasets"]:
+        tps = d["tokens_per_second"]
+        cond = " ".join(f(c) for c in d["position_acceptance"]["conditional"])
+        table.add_row(d["name"], f(d["tau"]), f(d["acceptance_rate"]), str(d["drafted"]), str(d["verified"]),
+                      str(d["accepted"]), f(tps["speculative"], 1), f(tps["target_only"], 1),
+                      f(tps["speedup"]), cond)
+    return table

@@ -1,0 +1,200 @@
+"""The library side of `dspark eval`, `dspark calibrate` and `dspark profile` (usable without the CLI).
+
+Each takes a PipelineConfig plus URLs, goes through `manifest.prepare_stage` (skip when done,
+refuse a changed config, resume otherwise) and writes its manifest last. Eval commits one part
+file per finished dataset, so a killed run redoes only the dataset it was in.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .. import manifest, storage
+from ..config import PipelineConfig
+from ..console import console
+from ..errors import DsparkError
+from ..schemas import validate
+from . import plots
+from .calibrate import fit_sts
+from .prompts import dataset_name, load_conversations
+from .report import dataset_report, records
+from .scheduler import Scheduler
+from .specdec import SpeculativeDecoder, target_only
+from .sps import SpsTable, default_batch_grid, profile_target
+
+
+def _target_fingerprint(path: str) -> str:
+    """A target is identified by its config (hashing GBs of weights on every run would be slow)."""
+    config = storage.join(path, "config.json")
+    if storage.exists(config):
+        return "config:" + storage.sha256_bytes(storage.read_bytes(config))
+    return "id:" + path
+
+
+def load_models(cfg: PipelineConfig, target: str, drafter_url: str) -> tuple[Any, Any, Any]:
+    from ..cache.target import load_target, resolve_device
+    from ..model.export import load_drafter
+
+    model, tokenizer = load_target(target, dtype=cfg.target.dtype, device=cfg.target.device,
+                                   trust_remote_code=cfg.target.trust_remote_code,
+                                   revision=cfg.target.revision)
+    drafter = load_drafter(drafter_url, target=target, device=resolve_device(cfg.target.device))
+    return model, tokenizer, drafter
+
+
+def load_calibration(url: str, gamma: int | None = None) -> list[float]:
+    obj = storage.read_json(url)
+    validate(obj, "calibration", where=url)
+    temps = [float(t) for t in obj["temperatures"]]
+    if gamma is not None and len(temps) != gamma:
+        raise DsparkError(f"{url}: {len(temps)} temperatures, but the drafter drafts γ = {gamma} tokens.",
+                          hint="calibrate this drafter with `dspark calibrate`.")
+    return temps
+
+
+# ---- eval ------------------------------------------------------------------------------------
+
+def run_eval(cfg: PipelineConfig, target: str, drafter_url: str, output_url: str,
+             force: bool = False) -> dict[str, Any] | None:
+    """Decode every dataset speculatively (and with the target alone); write report.json + plot."""
+    ev = cfg.eval
+    if not ev.datasets:
+        raise DsparkError("no eval dataset given.", hint="pass --dataset FILE.jsonl (repeatable).")
+    inputs = {u: manifest.fingerprint(u) for u in [drafter_url, *ev.datasets]}
+    inputs[target] = _target_fingerprint(target)
+    for extra in (ev.sps, ev.calibration):
+        if extra:
+            inputs[extra] = manifest.fingerprint(extra)
+    config = {"eval": ev.to_dict(), "target": {"dtype": cfg.target.dtype}}
+    run = manifest.prepare_stage("eval", output_url, config, inputs, force)
+    if run.state == "done":
+        return None
+    storage.clean_temporaries(output_url)
+    sps = SpsTable.load(ev.sps) if ev.sps else None
+    model, tokenizer, drafter = load_models(cfg, target, drafter_url)
+    temps = load_calibration(ev.calibration, drafter.block_size) if ev.calibration else None
+    datasets = []
+    for url in ev.datasets:
+        name = dataset_name(url)
+        part = storage.join(output_url, "parts", f"{len(datasets):03d}-{name}.json")
+        if storage.exists(part):
+            console.print(f"  {name}: already decoded, reusing {part}")
+            datasets.append(storage.read_json(part))
+            continue
+        convs = load_conversations(url, ev.limit, ev.split)
+        console.print(f"  {name}: {len(convs)} conversations, schedule {ev.schedule}, R={ev.concurrency}")
+
+        def decode(concurrency: int, convs=convs) -> Any:
+            scheduler = Scheduler(ev.schedule, drafter.block_size, sps, threshold=ev.threshold)
+            decoder = SpeculativeDecoder(model, tokenizer, drafter, scheduler, temperature=ev.temperature,
+                                         max_new_tokens=ev.max_new_tokens, thinking=ev.thinking,
+                                         temperatures=temps, seed=ev.seed)
+            return decoder.run(convs, concurrency)
+
+        stats = decode(ev.concurrency)
+        sweep = []
+        for r in ev.concurrency_sweep:
+            from .report import scheduler_summary
+
+            sweep.append(scheduler_summary(decode(r), ev.schedule, r))
+        baseline = None
+        if ev.baseline:
+            baseline = target_only(model, tokenizer, convs, temperature=ev.temperature,
+                                   max_new_tokens=ev.max_new_tokens, thinking=ev.thinking, seed=ev.seed)
+        report = dataset_report(name, url, len(convs), stats, baseline, ev.schedule, ev.concurrency,
+                                ev.sweep_thresholds, temps, sweep)
+        storage.write_json(part, report)
+        datasets.append(report)
+    report = {
+        "schema_version": 1, "target": target, "drafter": drafter_url, "block_size": drafter.block_size,
+        "temperature": ev.temperature, "max_new_tokens": ev.max_new_tokens, "thinking": ev.thinking,
+        "schedule": ev.schedule, "concurrency": ev.concurrency, "calibration": ev.calibration or None,
+        "sps": ev.sps or None, "datasets": datasets,
+    }
+    validate(report, "eval_report", where=storage.join(output_url, "report.json"))
+    plots.acceptance_plot(datasets, storage.join(output_url, "acceptance.png"))
+    storage.write_json(storage.join(output_url, "report.json"), report)
+    counts = {"datasets": len(datasets), "rounds": sum(d["rounds"] for d in datasets),
+              "new_tokens": sum(d["new_tokens"] for d in datasets)}
+    run.finish(counts, extra={"tau": {d["name"]: d["tau"] for d in datasets}})
+    return report
+
+
+# ---- calibrate -------------------------------------------------------------------------------
+
+def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_url: str, output_url: str,
+                  force: bool = False) -> dict[str, Any] | None:
+    """Decode held-out prompts with full verification, fit STS, write calibration.json + plot."""
+    cal = cfg.calibrate
+    inputs = {drafter_url: manifest.fingerprint(drafter_url), dataset_url: manifest.fingerprint(dataset_url),
+              target: _target_fingerprint(target)}
+    config = {"calibrate": cal.to_dict(), "target": {"dtype": cfg.target.dtype}}
+    run = manifest.prepare_stage("calibrate", output_url, config, inputs, force)
+    if run.state == "done":
+        return None
+    split = None if dataset_url.endswith((".jsonl", ".json")) else cal.split
+    convs = load_conversations(dataset_url, cal.num_prompts, split)
+    model, tokenizer, drafter = load_models(cfg, target, drafter_url)
+    if drafter.config.enable_confidence_head is False:
+        raise DsparkError(f"{drafter_url}: this drafter has no confidence head; there is nothing to calibrate.")
+    console.print(f"  decoding {len(convs)} held-out conversations with full verification (γ={drafter.block_size})")
+    decoder = SpeculativeDecoder(model, tokenizer, drafter, Scheduler("fixed", drafter.block_size),
+                                 temperature=cal.temperature, max_new_tokens=cal.max_new_tokens,
+                                 thinking=cal.thinking, seed=cal.seed)
+    stats = decoder.run(convs, 1)
+    rec = records(stats)
+    if rec is None or len(rec.confidences) == 0:
+        raise DsparkError(f"{dataset_url}: decoding produced no rounds to calibrate on.")
+    fit = fit_sts(rec, cal.t_min, cal.t_max, cal.t_steps, cal.ece_bins)
+    result = {
+        "temperatures": fit.temperatures, "dataset": dataset_url, "num_samples": fit.num_samples,
+        "ece_before": fit.ece_before, "ece_after": fit.ece_after,
+        "schema_version": 1, "block_size": rec.gamma, "drafter": drafter_url, "temperature": cal.temperature,
+        "grid": {"t_min": cal.t_min, "t_max": cal.t_max, "t_steps": cal.t_steps, "ece_bins": cal.ece_bins},
+        "per_position": fit.per_position,
+    }
+    result = _finite(result)
+    validate(result, "calibration", where=storage.join(output_url, "calibration.json"))
+    plots.reliability_plot(rec, fit.temperatures, storage.join(output_url, "reliability.png"), cal.ece_bins)
+    storage.write_json(storage.join(output_url, "calibration.json"), result)
+    run.finish({"rounds": fit.num_samples, "conversations": len(convs)},
+               extra={"temperatures": fit.temperatures, "ece_before": fit.ece_before, "ece_after": fit.ece_after})
+    return result
+
+
+def _finite(obj: Any) -> Any:
+    """NaN (a metric over zero samples) becomes null, so the JSON stays standard."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+# ---- profile ---------------------------------------------------------------------------------
+
+def run_profile(cfg: PipelineConfig, target: str, output_url: str, batch_tokens: list[int] | None = None,
+                context_length: int = 128, repeats: int = 5, force: bool = False) -> SpsTable | None:
+    """Measure SPS(B) of the target on this hardware; write sps.json + sps.png."""
+    grid = batch_tokens or default_batch_grid()
+    config = {"target": {"dtype": cfg.target.dtype, "device": cfg.target.device},
+              "profile": {"batch_tokens": grid, "context_length": context_length, "repeats": repeats}}
+    run = manifest.prepare_stage("profile", output_url, config, {target: _target_fingerprint(target)}, force)
+    if run.state == "done":
+        return None
+    from ..cache.target import load_target
+
+    model, _tok = load_target(target, dtype=cfg.target.dtype, device=cfg.target.device,
+                              trust_remote_code=cfg.target.trust_remote_code, revision=cfg.target.revision)
+    table = profile_target(model, grid, context_length=context_length, repeats=repeats)
+    table.meta.update({"target": target, "torch": torch.__version__})
+    table.save(storage.join(output_url, "sps.json"))
+    plots.sps_plot(table.batch_tokens, table.steps_per_second, storage.join(output_url, "sps.png"),
+                   title=f"{storage.basename(target)} on {table.meta['device']} ({table.meta['dtype']})")
+    run.finish({"points": len(grid)}, extra={"device": table.meta["device"]})
+    return table
