@@ -1,9 +1,80 @@
-"""`dspark train`: (to be written)."""
+"""`dspark train` and `dspark export`: train a drafter from a cache; write its serving folder.
+
+    dspark train --cache runs/x/cache --output runs/x/train --config pipelines/qwen3-4b.toml
+    torchrun --nproc_per_node 8 -m dspark_cli.cli train --cache s3://b/cache --output s3://b/train
+    dspark export runs/x/train/checkpoints/step-00001000 runs/x/export --include-embeddings
+"""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
+
+from ..console import console, out
+from ._common import load
+from ._options import ConfigOpt, ForceOpt, SetOpt
+
+CacheOpt = Annotated[str | None, typer.Option("--cache", "-i", help="Cache URL (default: <work_dir>/cache).")]
+OutputOpt = Annotated[str | None, typer.Option("--output", "-o",
+                                               help="Train artifact URL (default: <work_dir>/train).")]
+TargetOpt = Annotated[str | None, typer.Option("--target", help="Target folder or id (default: cache's).")]
+
+
+def train_command(
+    cache: CacheOpt = None,
+    output: OutputOpt = None,
+    target: TargetOpt = None,
+    max_steps: Annotated[int | None, typer.Option("--max-steps", help="Stop after this many steps.")] = None,
+    epochs: Annotated[int | None, typer.Option("--epochs", help="Passes over the training split.")] = None,
+    global_batch: Annotated[int | None, typer.Option("--global-batch", help="Samples per step.")] = None,
+    micro_batch: Annotated[int | None, typer.Option("--micro-batch", help="Samples per forward.")] = None,
+    lr: Annotated[float | None, typer.Option("--lr", help="Peak learning rate.")] = None,
+    num_anchors: Annotated[int | None, typer.Option("--num-anchors", help="Anchors per sample.")] = None,
+    device: Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+) -> None:
+    """Train a DSpark (or DFlash baseline) drafter; resumes from the latest checkpoint after a crash."""
+    from ..train.trainer import train
+
+    cfg = load(config, set_, target={"model": target},
+               train={"max_steps": max_steps, "epochs": epochs, "global_batch": global_batch,
+                      "micro_batch": micro_batch, "lr": lr, "num_anchors": num_anchors, "device": device})
+    output_url = output or cfg.stage_url("train")
+    manifest = train(cfg, cache or cfg.stage_url("cache"), output_url, force=force)
+    if manifest is not None:
+        final = manifest["extra"].get("final_metrics", {})
+        out.print_json(data={"output": output_url, "export": manifest["extra"]["export"],
+                             "steps": manifest["counts"]["steps"], "loss": final.get("loss"),
+                             "accepted_length": final.get("accepted_length")})
+
+
+def export_command(
+    checkpoint: Annotated[str, typer.Argument(help="Checkpoint dir, export folder or train artifact.")],
+    out_dir: Annotated[str, typer.Argument(help="Serving folder to write (config.json + weights).")],
+    include_embeddings: Annotated[bool, typer.Option("--include-embeddings",
+                                  help="Also write the frozen embedding and lm_head.")] = False,
+    architecture: Annotated[str | None, typer.Option("--architecture",
+                            help="Qwen3DSparkModel (anchor_first) or DFlashDraftModel (fill_in); "
+                                 "default: from the drafter's block convention.")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", help="bfloat16, float16 or float32.")] = "bfloat16",
+    target: Annotated[str | None, typer.Option("--target",
+                      help="Target for the frozen rows (default: the one used in training).")] = None,
+) -> None:
+    """Write the serving folder engines (SGLang, vLLM) load from a checkpoint."""
+    from ..model.export import export_drafter, load_drafter
+
+    drafter = load_drafter(checkpoint, target=target)
+    cfg = export_drafter(drafter, out_dir, include_embeddings=include_embeddings, architecture=architecture,
+                         dtype=dtype)
+    console.print(f"[green]✓[/] export: {out_dir} ({cfg['architectures'][0]}, {dtype})")
+    out.print_json(data={"output": out_dir, "architecture": cfg["architectures"][0],
+                         "block_size": cfg["block_size"], "include_embeddings": include_embeddings})
 
 
 def register(app: typer.Typer) -> None:
-    """Add the `train` commands to the app."""
+    """Add `train` and `export` to the app."""
+    app.command("train")(train_command)
+    app.command("export")(export_command)

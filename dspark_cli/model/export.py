@@ -36,7 +36,8 @@ def architecture_for(config: DrafterConfig, requested: str | None = None) -> str
     expected = DSPARK_ARCH if config.sample_from_anchor else DFLASH_ARCH
     if requested is not None and requested != expected:
         raise DsparkError(
-            f"a {config.block_convention} drafter cannot be exported as {requested}: engines would serve "
+            f"a drafter trained with block_convention={config.block_convention} cannot be exported as "
+            f"{requested}: engines would serve "
             f"it with the wrong block layout and acceptance near zero.",
             hint=f"export it as {expected}, or retrain with model.block_convention="
                  f"{'fill_in' if requested == DFLASH_ARCH else 'anchor_first'}.")
