@@ -1,0 +1,188 @@
+"""The model side of `dspark serve`: load a causal LM, render chats, generate a batch of sequences.
+
+One call of `Engine.generate` runs a padded batch (left padding, one shared KV cache) from the
+prefill to the last finished sequence; finished rows are dropped from the cache as they end, so a
+long answer does not make the short ones pay. `Sequence` carries one choice of one request and
+reports text deltas and its finish reason through a callback.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import DsparkError
+from .sampling import SamplingParams, sample
+
+#: on_event(text_delta, finish_reason): finish_reason is None until the last call, then
+#: "stop" | "length" | "error" | "cancelled".
+EventFn = Callable[[str, str | None], None]
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice being generated: prompt ids in, tokens and text deltas out."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    on_event: EventFn
+    output_ids: list[int] = field(default_factory=list)
+    #: Tokens sampled, the end-of-turn token included (what usage.completion_tokens counts).
+    generated: int = 0
+    text: str = ""
+    sent: int = 0
+    finish_reason: str | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Engine:
+    """A Transformers causal LM + tokenizer with batched, cached generation."""
+
+    def __init__(self, model_path: str, dtype: str = "auto", device: str = "auto",
+                 max_model_len: int | None = None, trust_remote_code: bool = False) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if not Path(model_path).exists() and "/" not in model_path:
+            raise DsparkError(f"model {model_path} is neither a local folder nor a hub id.",
+                              hint="dspark model convert --smollm2 runs/models/smollm2-135m-instruct")
+        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
+                                   else ("cpu" if device == "auto" else device))
+        if dtype == "auto":  # bf16 matmuls are slow on most CPUs
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code,
+            ).to(self.device).eval()
+        except OSError as e:
+            raise DsparkError(f"cannot load a model from {model_path}: {str(e).splitlines()[0]}",
+                              hint="serve a folder written by `dspark model convert`.") from e
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise DsparkError(f"the tokenizer of {model_path} has no chat template.")
+        config = self.model.config
+        self.context_length = int(getattr(config, "max_position_embeddings", 0) or 4096)
+        if max_model_len:
+            self.context_length = min(self.context_length, max_model_len)
+        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else min(self.eos_ids)
+        self.dtype = dtype
+        # Transformers ≥ 5.x names the KV cache argument `cache`; older/remote models `past_key_values`.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    def render(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
+        """Prompt token ids exactly as the chat template renders the conversation."""
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False, **template_kwargs)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    @torch.inference_mode()
+    def generate(self, batch: list[Sequence], on_forward: Callable[[int], None] = lambda b: None) -> None:
+        """Run every sequence of `batch` to its end (callbacks report the text as it grows)."""
+        B = len(batch)
+        L = max(len(s.prompt_ids) for s in batch)
+        input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)  # [B, L], left padded
+        attention = torch.zeros((B, L), dtype=torch.long)  # [B, L]
+        for row, seq in enumerate(batch):
+            input_ids[row, L - len(seq.prompt_ids):] = torch.tensor(seq.prompt_ids)
+            attention[row, L - len(seq.prompt_ids):] = 1
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)  # [B, L]
+        cache = _new_cache()
+        rows = list(batch)  # rows[i] is the sequence in cache row i
+        step_ids, step_pos = input_ids, positions
+        while rows:
+            on_forward(len(rows))
+            out = self.model(input_ids=step_ids.to(self.device), attention_mask=attention.to(self.device),
+                             position_ids=step_pos.to(self.device), use_cache=True,
+                             logits_to_keep=1, **{self._cache_arg: cache})
+            logits = out.logits[:, -1, :].cpu()  # [rows, V]
+            tokens = sample(logits, [s.params for s in rows], [s.generator for s in rows])
+            for seq, token in zip(rows, tokens.tolist(), strict=True):
+                self._advance(seq, token)
+            keep = [i for i, s in enumerate(rows) if not s.done]
+            if not keep:
+                break
+            last_pos = step_pos[:, -1]  # [rows]
+            if len(keep) < len(rows):
+                index = torch.tensor(keep)
+                cache.batch_select_indices(index.to(self.device))
+                attention, last_pos, tokens = attention[index], last_pos[index], tokens[index]
+                rows = [rows[i] for i in keep]
+            step_ids = tokens[:, None]  # [rows, 1]
+            step_pos = (last_pos + 1)[:, None]  # [rows, 1]
+            attention = torch.cat([attention, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
+
+    def _advance(self, seq: Sequence, token: int) -> None:
+        """Append one sampled token, detokenise, check the stop conditions, report the delta."""
+        if seq.cancelled.is_set():
+            seq.finish_reason = "cancelled"
+            seq.on_event("", "cancelled")
+            return
+        reason = None
+        seq.generated += 1
+        if token in self.eos_ids:
+            reason = "stop"
+        else:
+            seq.output_ids.append(token)
+            seq.text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+            for stop in seq.params.stop:
+                cut = seq.text.find(stop, max(0, seq.sent - len(stop)))
+                if cut >= 0:
+                    seq.text, reason = seq.text[:cut], "stop"
+                    break
+            if reason is None and (len(seq.output_ids) >= seq.params.max_tokens
+                                   or len(seq.prompt_ids) + len(seq.output_ids) >= self.context_length):
+                reason = "length"
+        end = len(seq.text)
+        if reason is None:  # hold back a partial UTF-8 char and what could start a stop string
+            end -= _held_back(seq.text, seq.params.stop)
+        delta = seq.text[seq.sent:end] if end > seq.sent else ""
+        seq.sent = max(seq.sent, end)
+        seq.finish_reason = reason
+        if delta or reason:
+            seq.on_event(delta, reason)
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """Characters at the end of `text` that may still change or turn into a stop string."""
+    hold = 1 if text.endswith("\ufffd") else 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                hold = max(hold, k)
+                break
+    return hold
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """End-of-turn ids: the generation config's (int or list) plus the tokenizer's eos."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def _new_cache() -> Any:
+    from transformers import DynamicCache
+
+    return DynamicCache()

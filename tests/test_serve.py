@@ -1,0 +1,189 @@
+"""`dspark serve` on the tiny Qwen3 target: a real uvicorn process, the official openai client."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+from dspark_cli.serve.process import served
+
+USER = [{"role": "user", "content": "What is 12 plus 30? Please explain step by step."}]
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3_target, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with served(str(tiny_qwen3_target), served_model_name="tiny", log_path=log,
+                args=["--max-batch-size", "8", "--batch-wait-ms", "30", "--threads", "1",
+                      "--default-max-tokens", "16"]) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen3_target):
+    """Greedy continuation by Transformers' own generate: what the server must reproduce."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_qwen3_target)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_target, dtype=torch.float32).eval()
+
+    def greedy(messages, max_new_tokens, **template_kwargs):
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False,
+                                      **template_kwargs)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        new = out[0, len(ids):].tolist()
+        return ids, new, tok.decode(new, skip_special_tokens=True)
+
+    return greedy
+
+
+def _health(server) -> dict:
+    with urllib.request.urlopen(f"{server.root_url}/health", timeout=10) as r:
+        return json.loads(r.read())
+
+
+class TestRoundTrip:
+    def test_models_lists_the_served_name(self, client):
+        models = client.models.list().data
+        assert [m.id for m in models] == ["tiny"]
+
+    def test_greedy_matches_transformers_generate(self, client, reference):
+        prompt_ids, new_ids, text = reference(USER, 12, enable_thinking=False)
+        r = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=12,
+                                           extra_body=NO_THINK)
+        choice = r.choices[0]
+        assert choice.message.role == "assistant" and choice.message.content == text
+        assert r.usage.prompt_tokens == len(prompt_ids)
+        assert r.usage.completion_tokens == len(new_ids) == 12
+        assert choice.finish_reason == "length"
+
+    def test_chat_template_kwargs_reach_the_template(self, client):
+        kw = dict(model="tiny", messages=USER, temperature=0, max_tokens=1)
+        thinking = client.chat.completions.create(**kw, extra_body={"chat_template_kwargs":
+                                                                    {"enable_thinking": True}})
+        plain = client.chat.completions.create(**kw, extra_body=NO_THINK)
+        # non-thinking mode appends the empty '<think>\n\n</think>\n\n' block to the prompt
+        assert plain.usage.prompt_tokens > thinking.usage.prompt_tokens
+
+    def test_seed_reproduces_and_n_gives_distinct_choices(self, client):
+        kw = dict(model="tiny", messages=USER, temperature=1.0, top_p=0.95, max_tokens=10, seed=7,
+                  extra_body={"top_k": 50, "min_p": 0.01, **NO_THINK})
+        a = client.chat.completions.create(**kw)
+        b = client.chat.completions.create(**kw)
+        assert a.choices[0].message.content == b.choices[0].message.content
+        many = client.chat.completions.create(**kw, n=3)
+        assert [c.index for c in many.choices] == [0, 1, 2]
+        assert len({c.message.content for c in many.choices}) > 1
+        assert many.usage.completion_tokens == 30
+
+    def test_default_max_tokens_applies(self, client):
+        r = client.chat.completions.create(model="tiny", messages=USER, temperature=0, extra_body=NO_THINK)
+        assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+
+    def test_stop_string_cuts_the_answer(self, client, reference):
+        _, _, text = reference(USER, 12, enable_thinking=False)
+        stop = text[4:7]
+        assert stop and text.find(stop) >= 1
+        r = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=12,
+                                           stop=[stop], extra_body=NO_THINK)
+        assert r.choices[0].message.content == text[:text.find(stop)]
+        assert r.choices[0].finish_reason == "stop"
+
+
+class TestStreaming:
+    def test_stream_deltas_add_up_to_the_answer(self, client, reference):
+        _, _, text = reference(USER, 12, enable_thinking=False)
+        stream = client.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=12,
+                                                stream=True, stream_options={"include_usage": True},
+                                                extra_body=NO_THINK)
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert content == text
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finishes == ["length"]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+    def test_stream_with_n_reports_each_choice(self, client):
+        stream = client.chat.completions.create(model="tiny", messages=USER, temperature=1.0, seed=3, n=2,
+                                                max_tokens=5, stream=True, extra_body=NO_THINK)
+        ends = sorted(c.choices[0].index for c in stream if c.choices and c.choices[0].finish_reason)
+        assert ends == [0, 1]
+
+
+class TestBatching:
+    def test_concurrent_requests_share_forward_passes(self, client, server, reference):
+        prompts = [[{"role": "user", "content": f"Write {i} short words about the sea."}] for i in range(6)]
+        expected = [reference(p, 20, enable_thinking=False)[2] for p in prompts]
+        before = _health(server)
+        results: dict[int, str] = {}
+
+        def ask(i: int) -> None:
+            r = client.chat.completions.create(model="tiny", messages=prompts[i], temperature=0,
+                                               max_tokens=20, extra_body=NO_THINK)
+            results[i] = r.choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        after = _health(server)
+        assert [results[i] for i in range(6)] == expected  # batching must not change outputs
+        assert after["max_batch_size"] > 1
+        passes = after["forward_passes"] - before["forward_passes"]
+        assert passes < 6 * 20, f"{passes} forward passes for 6 requests of 20 tokens: no sharing"
+        assert after["requests"] - before["requests"] == 6
+
+
+class TestErrors:
+    def test_unknown_model_is_404(self, client):
+        with pytest.raises(openai.NotFoundError) as e:
+            client.chat.completions.create(model="gpt-9", messages=USER)
+        assert "gpt-9" in str(e.value)
+
+    def test_prompt_longer_than_context_is_400(self, client):
+        long = [{"role": "user", "content": "The quick brown fox jumps. " * 200}]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=long, max_tokens=4)
+        assert "maximum context length is 512" in str(e.value)
+
+    @pytest.mark.parametrize("bad", [{"temperature": 5}, {"top_p": 0}, {"n": 0}, {"max_tokens": 0},
+                                     {"min_p": 2.0}, {"top_k": -3}])
+    def test_bad_sampling_params_are_400(self, client, bad):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=USER, extra_body=bad)
+        assert list(bad)[0] in str(e.value)
+
+    def test_non_text_content_is_400(self, client):
+        image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+        with pytest.raises(openai.BadRequestError, match="only text parts"):
+            client.chat.completions.create(model="tiny", messages=image)
+
+    def test_empty_messages_is_400(self, client):
+        with pytest.raises(openai.BadRequestError, match="messages"):
+            client.chat.completions.create(model="tiny", messages=[])
+
+    def test_server_still_healthy_after_errors(self, server):
+        assert _health(server)["status"] == "ok"
+
+
+def test_serve_refuses_a_missing_model(tmp_path):
+    from dspark_cli.errors import DsparkError
+    from dspark_cli.serve.process import start_server
+
+    with pytest.raises(DsparkError, match="exited"):
+        start_server(str(tmp_path / "no-such-model"), log_path=tmp_path / "log", startup_timeout=60)
+    assert "error:" in (tmp_path / "log").read_text()

@@ -1,0 +1,65 @@
+"""Sampling filters and the engine's stop logic, in-process (no server)."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark_cli.serve.engine import Engine, Sequence, _held_back
+from dspark_cli.serve.sampling import SamplingParams, filtered_probs, sample
+
+LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.10]]))  # [1, 4]
+
+
+def test_top_k_keeps_the_k_best():
+    probs = filtered_probs(LOGITS, [SamplingParams(top_k=2)])
+    assert torch.allclose(probs, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    probs = filtered_probs(LOGITS, [SamplingParams(top_p=0.7)])  # 0.5 + 0.25 reaches 0.7
+    assert torch.allclose(probs, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))
+    assert torch.allclose(filtered_probs(LOGITS, [SamplingParams(top_p=1.0)]), LOGITS.exp())
+
+
+def test_min_p_is_relative_to_the_best_token():
+    probs = filtered_probs(LOGITS, [SamplingParams(min_p=0.4)])  # keep p >= 0.2
+    assert torch.allclose(probs, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))
+
+
+def test_rows_use_their_own_params_and_generators():
+    logits = LOGITS.repeat(3, 1)  # [3, 4]
+    params = [SamplingParams(temperature=0.0), SamplingParams(top_k=1), SamplingParams(temperature=1.0)]
+    counts = torch.zeros(4)
+    for seed in range(400):
+        gens = [torch.Generator().manual_seed(seed) for _ in range(3)]
+        tokens = sample(logits, params, gens)
+        assert tokens[0] == 0 and tokens[1] == 0
+        counts[tokens[2]] += 1
+    freq = counts / counts.sum()
+    assert (freq - LOGITS.exp()[0]).abs().max() < 0.07  # unfiltered T=1 follows the distribution
+
+
+def test_same_seed_same_draw_regardless_of_batch_mates():
+    p = SamplingParams(temperature=1.0)
+    alone = sample(LOGITS, [p], [torch.Generator().manual_seed(5)])
+    mates = sample(LOGITS.repeat(2, 1), [SamplingParams(top_k=1), p],
+                   [torch.Generator().manual_seed(1), torch.Generator().manual_seed(5)])
+    assert alone[0] == mates[1]
+
+
+def test_held_back_covers_partial_stop_strings_and_bytes():
+    assert _held_back("hello wor", ("world",)) == 3
+    assert _held_back("hello", ("xyz",)) == 0
+    assert _held_back("ab\ufffd", ()) == 1
+
+
+def test_eos_finishes_with_stop_and_is_not_in_the_text(tiny_qwen3_target):
+    engine = Engine(str(tiny_qwen3_target))
+    events: list[tuple[str, str | None]] = []
+    seq = Sequence([1, 2, 3], SamplingParams(max_tokens=5), torch.Generator(),
+                   lambda d, r: events.append((d, r)))
+    word = engine.tokenizer.encode("fox")[0]
+    engine._advance(seq, word)
+    engine._advance(seq, engine.tokenizer.eos_token_id)
+    assert seq.finish_reason == "stop" and seq.text == engine.tokenizer.decode([word])
+    assert seq.generated == 2 and events[-1][1] == "stop"
