@@ -1,0 +1,201 @@
+"""The drafter (contract 4): config from real targets, the attention rule, train/inference agreement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fixtures.drafter import LAYERS, drafter_config, make_samples
+
+from dspark_cli.errors import ConfigError
+from dspark_cli.model.attention import BlockLayout, dense_mask
+from dspark_cli.model.config import DrafterConfig
+from dspark_cli.model.drafter import DSparkDrafter
+from dspark_cli.model.frozen import attach_frozen, load_embeddings, load_target_config
+from dspark_cli.train.blocks import pack
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_qwen3_target):
+    return make_samples(tiny_qwen3_target, n=3)
+
+
+def build(target, **model) -> DSparkDrafter:
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(drafter_config(target, **model))
+    attach_frozen(drafter, str(target))
+    # Make the Markov/confidence heads non-trivial (W2 starts at zero).
+    if drafter.markov_head is not None:
+        torch.nn.init.normal_(drafter.markov_head.markov_w2.weight, std=0.5)
+    return drafter.eval()
+
+
+class TestConfig:
+    def test_sizes_come_from_the_target(self, tiny_qwen3_target, tiny_llama_target):
+        q = drafter_config(tiny_qwen3_target)
+        assert (q.hidden_size, q.num_attention_heads, q.num_key_value_heads, q.head_dim) == (32, 4, 2, 8)
+        assert q.num_target_layers == 36 and q.vocab_size == 385 and q.mask_token_id == 384
+        assert q.rope_parameters["rope_theta"] == 10000.0
+        llama = drafter_config(tiny_llama_target, layers=[0, 2, 5])
+        assert llama.num_target_layers == 6 and llama.target_layer_ids == [0, 2, 5]
+        assert DrafterConfig.from_json(q.to_json()) == q
+
+    def test_mask_token_must_be_a_row_of_the_embedding(self, tiny_qwen3_target):
+        target_config = load_target_config(str(tiny_qwen3_target))
+        with pytest.raises(ConfigError, match="mask_token_id 385 is not a row"):
+            DrafterConfig.from_target(target_config, layers=LAYERS, mask_token_id=385)
+        with pytest.raises(ConfigError, match="never pad/eos"):
+            DrafterConfig.from_target(target_config, layers=LAYERS, mask_token_id=None)
+
+    def test_layers_beyond_the_target_are_refused(self, tiny_llama_target):
+        with pytest.raises(ConfigError, match="must be < the target's 6 layers"):
+            drafter_config(tiny_llama_target, layers=[1, 6])
+
+    def test_confidence_with_markov_needs_a_markov_head(self, tiny_qwen3_target):
+        with pytest.raises(ConfigError, match="confidence_head_with_markov"):
+            drafter_config(tiny_qwen3_target, markov_head_type="none")
+
+
+def test_frozen_rows_are_the_targets_and_only_them(tiny_qwen3_target):
+    from safetensors import safe_open
+
+    drafter = build(tiny_qwen3_target)
+    with safe_open(str(tiny_qwen3_target / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(drafter.embed_tokens.weight, f.get_tensor("model.embed_tokens.weight"))
+        assert torch.equal(drafter.lm_head.weight, f.get_tensor("lm_head.weight"))
+    assert not drafter.embed_tokens.weight.requires_grad and not drafter.lm_head.weight.requires_grad
+    assert not any(k.startswith(("embed_tokens", "lm_head")) for k in drafter.trainable_state_dict())
+
+
+def test_tied_embeddings_reuse_the_embedding(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True)
+    Qwen3ForCausalLM(cfg).save_pretrained(tmp_path)
+    embed, head = load_embeddings(str(tmp_path), tie_word_embeddings=True)
+    assert torch.equal(embed, head) and embed.shape == (50, 16)
+
+
+def test_mask_rule_matches_the_design_by_brute_force():
+    # Two samples: contexts of 5 and 3 positions; blocks anchored at (s0, 2), (s0, 5), (s1, 3); 2 slots each.
+    ctx = [(0, p) for p in range(5)] + [(1, p) for p in range(3)]
+    blocks = [(0, 2), (0, 5), (1, 3)]
+    n_in = 2
+    layout = BlockLayout(
+        key_sample=torch.tensor([s for s, _ in ctx] + [blocks[b][0] for b in range(3) for _ in range(n_in)]),
+        key_pos=torch.tensor([p for _, p in ctx] + [0] * 6),
+        key_block=torch.tensor([-1] * len(ctx) + [b for b in range(3) for _ in range(n_in)]),
+        query_sample=torch.tensor([blocks[b][0] for b in range(3) for _ in range(n_in)]),
+        query_anchor=torch.tensor([blocks[b][1] for b in range(3) for _ in range(n_in)]),
+        query_block=torch.tensor([b for b in range(3) for _ in range(n_in)]),
+    )
+    mask = dense_mask(layout)
+    for qi in range(6):
+        s, anchor = blocks[qi // n_in]
+        for ki in range(len(ctx) + 6):
+            if ki < len(ctx):
+                expect = ctx[ki][0] == s and ctx[ki][1] < anchor
+            else:
+                expect = (ki - len(ctx)) // n_in == qi // n_in
+            assert bool(mask[qi, ki]) == expect, (qi, ki)
+
+
+def _pack_one(sample, anchors, config):
+    return pack([sample], [torch.tensor(anchors)], config)
+
+
+def test_block_sees_only_context_before_its_anchor_and_its_own_block(tiny_qwen3_target, samples):
+    drafter = build(tiny_qwen3_target)
+    sample = samples[0]
+    first = int(torch.nonzero(sample["loss_mask"])[0])
+    anchors = [first + 2, first + 8]
+    batch = _pack_one(sample, anchors, drafter.config)
+    mask = dense_mask(batch.layout)
+    args = (batch.block_input_ids, batch.block_position_ids, batch.context_hidden, batch.context_position_ids)
+    with torch.no_grad():
+        base = drafter(*args, mask)
+        # Context at or after the first anchor: block 0 must not change, block 1 must.
+        poked = batch.context_hidden.clone()
+        poked[anchors[0]:] += 3.0
+        out = drafter(args[0], args[1], poked, args[3], mask)
+        assert torch.allclose(out[0], base[0], atol=1e-6)
+        assert not torch.allclose(out[1], base[1], atol=1e-3)
+        # Another block's input tokens are invisible.
+        ids = batch.block_input_ids.clone()
+        ids[1, 0] = (ids[1, 0] + 1) % drafter.config.vocab_size
+        out = drafter(ids, args[1], args[2], args[3], mask)
+        assert torch.allclose(out[0], base[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("markov", ["vanilla", "gated", "rnn"])
+def test_draft_block_samples_from_the_training_distribution(tiny_qwen3_target, samples, markov):
+    """The sampled block's probs equal the teacher-forced training logits for the tokens it drew."""
+    drafter = build(tiny_qwen3_target, markov_head_type=markov)
+    sample = samples[1]
+    anchor = int(torch.nonzero(sample["loss_mask"])[0]) + 3
+    gen = torch.Generator().manual_seed(7)
+    block = drafter.draft_block(sample["hidden_states"][:anchor], int(sample["input_ids"][anchor]), anchor,
+                                temperature=1.0, generator=gen)
+    gamma = drafter.block_size
+    assert block.tokens.shape == (gamma,) and block.probs.shape == (gamma, drafter.config.vocab_size)
+    assert block.probs.dtype == torch.float32 and torch.allclose(block.probs.sum(-1), torch.ones(gamma))
+    assert block.confidences is not None and ((block.confidences > 0) & (block.confidences < 1)).all()
+
+    batch = _pack_one(sample, [anchor], drafter.config)
+    with torch.no_grad():
+        h = drafter(batch.block_input_ids, batch.block_position_ids, batch.context_hidden,
+                    batch.context_position_ids, dense_mask(batch.layout))  # [1, γ, d]
+        prev = torch.cat([torch.tensor([int(sample["input_ids"][anchor])]), block.tokens[:-1]]).unsqueeze(0)
+        logits = drafter.lm_head(h) + drafter.markov_head.bias(drafter.markov_head.features(prev, h))
+        conf = torch.sigmoid(drafter.confidence_head(h, drafter.markov_head.embed_prev(prev)))
+    assert torch.allclose(block.probs, torch.softmax(logits[0], -1), atol=1e-5)
+    assert torch.allclose(block.confidences, conf[0], atol=1e-5)
+
+
+def greedy(drafter, sample, anchor):
+    ctx, token = sample["hidden_states"][:anchor], int(sample["input_ids"][anchor])
+    return drafter.draft_block(ctx, token, anchor, 0.0)
+
+
+def test_greedy_is_argmax_and_cache_matches_fresh(tiny_qwen3_target, samples):
+    drafter = build(tiny_qwen3_target)
+    sample = samples[2]
+    start = int(torch.nonzero(sample["loss_mask"])[0])
+    results = []
+    for anchor in (start + 1, start + 4, start + 2, start + 6):  # grows, rolls back, grows
+        block = greedy(drafter, sample, anchor)
+        assert torch.equal(block.probs.argmax(-1), block.tokens)
+        assert torch.equal(block.probs.sum(-1), torch.ones(drafter.block_size))
+        results.append(block)
+    for anchor, cached in zip((start + 1, start + 4, start + 2, start + 6), results, strict=True):
+        drafter.reset_cache()
+        fresh = greedy(drafter, sample, anchor)
+        assert torch.equal(fresh.tokens, cached.tokens)
+        assert torch.allclose(fresh.confidences, cached.confidences, atol=1e-6)
+
+
+def test_fill_in_feeds_gamma_plus_one_slots(tiny_qwen3_target, samples):
+    drafter = build(tiny_qwen3_target, block_convention="fill_in", markov_head_type="none",
+                    enable_confidence_head=False)
+    sample = samples[0]
+    anchor = int(torch.nonzero(sample["loss_mask"])[0]) + 2
+    batch = _pack_one(sample, [anchor], drafter.config)
+    assert batch.block_input_ids.shape == (1, drafter.block_size + 1)
+    assert batch.block_position_ids[0].tolist() == list(range(anchor, anchor + drafter.block_size + 1))
+    block = greedy(drafter, sample, anchor)
+    assert block.tokens.shape == (drafter.block_size,) and block.confidences is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention runs only under CUDA")
+def test_flex_attention_matches_sdpa(tiny_qwen3_target, samples):  # pragma: no cover - CUDA only
+    from dspark_cli.model.attention import flex_block_mask
+
+    drafter = build(tiny_qwen3_target).cuda()
+    sample = samples[0]
+    first = int(torch.nonzero(sample["loss_mask"])[0])
+    batch = _pack_one(sample, [first + 1, first + 5, first + 9], drafter.config).to("cuda")
+    args = (batch.block_input_ids, batch.block_position_ids, batch.context_hidden, batch.context_position_ids)
+    with torch.no_grad():
+        sdpa = drafter(*args, dense_mask(batch.layout))
+        flex = drafter(*args, flex_block_mask(batch.layout))
+    assert torch.allclose(sdpa, flex, atol=1e-4)

@@ -1,0 +1,137 @@
+"""The serving folder (DESIGN.md §3): exact keys and config fields, reload, convention pairing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from fixtures.drafter import drafter_config, make_samples
+from safetensors.torch import load as st_load
+
+from dspark_cli import storage
+from dspark_cli.errors import DsparkError
+from dspark_cli.model.drafter import DSparkDrafter
+from dspark_cli.model.export import export_drafter, load_drafter
+from dspark_cli.model.frozen import attach_frozen
+
+LAYER_KEYS = ["input_layernorm.weight", "mlp.down_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+              "post_attention_layernorm.weight", "self_attn.k_norm.weight", "self_attn.k_proj.weight",
+              "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.q_proj.weight",
+              "self_attn.v_proj.weight"]
+
+
+def build(target, **model) -> DSparkDrafter:
+    torch.manual_seed(1)
+    drafter = DSparkDrafter(drafter_config(target, **model))
+    attach_frozen(drafter, str(target))
+    if drafter.markov_head is not None:
+        torch.nn.init.normal_(drafter.markov_head.markov_w2.weight, std=0.5)
+    return drafter.eval()
+
+
+def expected_keys(num_layers: int, markov: bool = True, confidence: bool = True) -> set[str]:
+    keys = {f"layers.{i}.{k}" for i in range(num_layers) for k in LAYER_KEYS}
+    keys |= {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    if markov:
+        keys |= {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}
+    if confidence:
+        keys |= {"confidence_head.proj.weight", "confidence_head.proj.bias"}
+    return keys
+
+
+def logits_of(drafter, sample, anchor):
+    block = drafter.draft_block(sample["hidden_states"][:anchor], int(sample["input_ids"][anchor]), anchor,
+                                temperature=1.0, generator=torch.Generator().manual_seed(3))
+    drafter.reset_cache()
+    return block
+
+
+@pytest.fixture(scope="module")
+def sample(tiny_qwen3_target):
+    return make_samples(tiny_qwen3_target, n=1)[0]
+
+
+def test_dspark_export_has_exact_keys_and_fields(tiny_qwen3_target, tmp_path):
+    drafter = build(tiny_qwen3_target)
+    export_drafter(drafter, str(tmp_path))
+    tensors = st_load((tmp_path / "model.safetensors").read_bytes())
+    assert set(tensors) == expected_keys(2)
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["block_size"] == 4 and cfg["target_layer_ids"] == [1, 9, 17, 25, 33]
+    assert cfg["num_target_layers"] == 36 and cfg["mask_token_id"] == 384
+    assert cfg["markov_rank"] == 16 and cfg["markov_head_type"] == "vanilla"
+    assert cfg["enable_confidence_head"] is True and cfg["confidence_head_with_markov"] is True
+    assert cfg["sample_from_anchor"] is True
+    assert cfg["dflash_config"] == {"block_size": 4, "target_layer_ids": [1, 9, 17, 25, 33],
+                                    "mask_token_id": 384}
+    assert cfg["num_hidden_layers"] == 2 and cfg["hidden_size"] == 32 and cfg["head_dim"] == 8
+    assert "speculators_model_type" not in cfg
+
+
+def test_reload_reproduces_logits(tiny_qwen3_target, tmp_path, sample):
+    drafter = build(tiny_qwen3_target, markov_head_type="rnn")
+    anchor = int(torch.nonzero(sample["loss_mask"])[0]) + 3
+    before = logits_of(drafter, sample, anchor)
+    export_drafter(drafter, str(tmp_path / "fp32"), dtype="float32")
+    after = logits_of(load_drafter(str(tmp_path / "fp32")), sample, anchor)
+    assert torch.equal(before.tokens, after.tokens)
+    assert torch.allclose(before.probs, after.probs, atol=1e-6)
+    assert torch.allclose(before.confidences, after.confidences, atol=1e-6)
+    export_drafter(drafter, str(tmp_path / "bf16"))  # the serving dtype: close, not identical
+    bf16 = logits_of(load_drafter(str(tmp_path / "bf16")), sample, anchor)
+    assert (before.probs - bf16.probs).abs().sum(-1).max() < 0.05
+
+
+def test_include_embeddings_and_memory_url(tiny_qwen3_target, memory_url, sample):
+    drafter = build(tiny_qwen3_target)
+    url = storage.join(memory_url, "export")
+    export_drafter(drafter, url, include_embeddings=True, dtype="float32")
+    tensors = st_load(storage.read_bytes(storage.join(url, "model.safetensors")))
+    assert set(tensors) == expected_keys(2) | {"embed_tokens.weight", "lm_head.weight"}
+    # No target needed to reload: the frozen rows are in the folder.
+    reloaded = load_drafter(url, target="/nonexistent")
+    assert torch.equal(reloaded.lm_head.weight, drafter.lm_head.weight)
+
+
+def test_fill_in_baseline_exports_as_dflash(tiny_qwen3_target, tmp_path):
+    drafter = build(tiny_qwen3_target, block_convention="fill_in", markov_head_type="none",
+                    enable_confidence_head=False)
+    export_drafter(drafter, str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["sample_from_anchor"] is False
+    assert cfg["block_size"] == 5  # anchor slot + γ, as DFlashDraftModel counts it
+    assert cfg["dflash_config"]["target_layer_ids"] == [1, 9, 17, 25, 33]
+    assert cfg["dflash_config"]["mask_token_id"] == 384
+    assert set(st_load((tmp_path / "model.safetensors").read_bytes())) == expected_keys(2, False, False)
+
+
+def test_wrong_pairings_are_refused(tiny_qwen3_target, tmp_path):
+    anchor_first = build(tiny_qwen3_target)
+    with pytest.raises(DsparkError, match="cannot be exported as DFlashDraftModel"):
+        export_drafter(anchor_first, str(tmp_path / "a"), architecture="DFlashDraftModel")
+    fill_in = build(tiny_qwen3_target, block_convention="fill_in", markov_head_type="none",
+                    enable_confidence_head=False)
+    with pytest.raises(DsparkError, match="cannot be exported as Qwen3DSparkModel"):
+        export_drafter(fill_in, str(tmp_path / "b"), architecture="Qwen3DSparkModel")
+    with_heads = build(tiny_qwen3_target, block_convention="fill_in")
+    with pytest.raises(DsparkError, match="no Markov or confidence head"):
+        export_drafter(with_heads, str(tmp_path / "c"))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_export_cli(tiny_qwen3_target, tmp_path):
+    from dspark_cli.model.export import save_weights
+
+    drafter = build(tiny_qwen3_target)
+    save_weights(drafter, str(tmp_path / "ckpt"))
+    from dspark_cli.cli import main
+
+    main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--include-embeddings"])
+    assert set(st_load((tmp_path / "out" / "model.safetensors").read_bytes())) == (
+        expected_keys(2) | {"embed_tokens.weight", "lm_head.weight"})
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", str(tmp_path / "ckpt"), str(tmp_path / "bad"), "--architecture", "DFlashDraftModel"])
+    assert exit_info.value.code == 2
