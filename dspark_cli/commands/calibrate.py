@@ -25,7 +25,7 @@ def calibrate_cmd(
     drafter: Annotated[str | None, typer.Option(
         help="Train artifact, checkpoint dir or export folder (default: <work_dir>/train).")] = None,
     dataset: Annotated[str | None, typer.Option(
-        help="Prompt/response artifact (validation split) or a JSONL file (default: <work_dir>/prompts).")] = None,
+        help="Prompt/response artifact (validation split) or JSONL (default: <work_dir>/prompts).")] = None,
     output: Annotated[str | None, typer.Option("--output", "-o",
                                                help="Output URL (default: <work_dir>/calibration).")] = None,
     num_prompts: Annotated[int | None, typer.Option(help="Held-out conversations decoded.")] = None,

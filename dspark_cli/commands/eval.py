@@ -36,10 +36,12 @@ def eval_cmd(
         help="Train artifact, checkpoint dir or export folder (default: <work_dir>/train).")] = None,
     dataset: Annotated[list[str] | None, typer.Option(
         help='{"turns": [...]} JSONL or a prompt/response artifact URL (repeatable).')] = None,
-    output: Annotated[str | None, typer.Option("--output", "-o", help="Output URL (default: <work_dir>/eval).")] = None,
+    output: Annotated[str | None, typer.Option("--output", "-o",
+                                               help="Output URL (default: <work_dir>/eval).")] = None,
     limit: Annotated[int | None, typer.Option(help="Conversations per dataset.")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="Tokens generated per turn at most.")] = None,
-    temperature: Annotated[float | None, typer.Option(help="Sampling temperature (0: greedy; default 1.0).")] = None,
+    temperature: Annotated[float | None, typer.Option(
+        help="Sampling temperature (0: greedy; default 1.0).")] = None,
     thinking: Annotated[bool | None, typer.Option("--thinking/--no-thinking",
                                                   help="enable_thinking of the chat template.")] = None,
     schedule: Annotated[str | None, typer.Option(help="fixed, threshold, algorithm1 or async.")] = None,
@@ -49,8 +51,8 @@ def eval_cmd(
     threshold: Annotated[float | None, typer.Option(help="Cut of the threshold schedule.")] = None,
     sps: Annotated[str | None, typer.Option(help="SPS table JSON from `dspark profile`.")] = None,
     calibration: Annotated[str | None, typer.Option(help="STS JSON from `dspark calibrate`.")] = None,
-    baseline: Annotated[bool | None, typer.Option("--baseline/--no-baseline",
-                                                  help="Also decode with the target alone (tokens/s).")] = None,
+    baseline: Annotated[bool | None, typer.Option(
+        "--baseline/--no-baseline", help="Also decode with the target alone (tokens/s).")] = None,
 ) -> None:
     """Decode each dataset with target + drafter; write report.json, acceptance.png."""
     if ctx.invoked_subcommand is not None:
@@ -82,7 +84,8 @@ def audit_cmd(
     samples: Annotated[int, typer.Option(help="Outputs counted per policy and world.")] = 4000,
     seed: Annotated[int, typer.Option()] = 0,
     alpha: Annotated[float, typer.Option(help="Significance level of the chi-square test.")] = 1e-3,
-    output: Annotated[str | None, typer.Option("--output", "-o", help="Also write the results as JSON.")] = None,
+    output: Annotated[str | None, typer.Option("--output", "-o",
+                                               help="Also write the results as JSON.")] = None,
 ) -> None:
     """Chi-square test that each scheduling policy keeps the target's output distribution."""
     from rich.table import Table
@@ -100,8 +103,8 @@ def audit_cmd(
         table.add_column(col, justify="left" if col in ("world", "policy", "verdict") else "right")
     for r in results:
         expected = "lossless" if r.should_be_lossless else "biased"
-        verdict = ("[green]lossless ✓[/]" if r.passed else "[red]biased ✗[/]") + ("" if r.as_expected
-                                                                                  else " [red](unexpected)[/]")
+        verdict = "[green]lossless ✓[/]" if r.passed else "[red]biased ✗[/]"
+        verdict += "" if r.as_expected else " [red](unexpected)[/]"
         table.add_row(r.world, r.policy, str(r.samples), f"{r.chi2:.1f}", str(r.dof), f"{r.p_value:.3g}",
                       "/".join(f"{x:.2f}" for x in r.first_token_observed),
                       "/".join(f"{x:.2f}" for x in r.first_token_target), expected, verdict)

@@ -79,7 +79,8 @@ def _scheduler(world: SyntheticWorld, policy: str) -> Any:
     return Scheduler(policy, world.gamma, world.sps, threshold=world.threshold).schedule
 
 
-def _draft(world: SyntheticWorld, prev: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+def _draft(world: SyntheticWorld, prev: int,
+           gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
     """Left-to-right Markov drafting of γ tokens; slot k's confidence reads the token before it."""
     tokens, probs, conf = [], [], []
     for k in range(world.gamma):

@@ -25,7 +25,8 @@ class RoundRecords:
     accepted: np.ndarray
 
     @classmethod
-    def from_lists(cls, confidences: list[list[float]], verified: list[int], accepted: list[int]) -> RoundRecords:
+    def from_lists(cls, confidences: list[list[float]], verified: list[int],
+                   accepted: list[int]) -> RoundRecords:
         conf = np.asarray(confidences, dtype=np.float64).reshape(len(confidences), -1)  # [N, γ]
         return cls(conf, np.asarray(verified, dtype=np.int64), np.asarray(accepted, dtype=np.int64))
 

@@ -39,7 +39,8 @@ def _from_jsonl(url: str, limit: int | None) -> list[Conversation]:
             raise DsparkError(f"{url}:{lineno}: not valid JSON ({e.msg}).") from None
         turns = row.get("turns") if isinstance(row, dict) else None
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-            raise DsparkError(f"{url}:{lineno}: expected {{\"turns\": [\"…\", …]}} with at least one string turn.")
+            raise DsparkError(f"{url}:{lineno}: expected {{\"turns\": [\"…\", …]}} with at least one "
+                              "string turn.")
         out.append(Conversation(id=str(row.get("id", row.get("question_id", lineno))), turns=turns,
                                 system=row.get("system")))
         if limit is not None and len(out) >= limit:
@@ -75,5 +76,6 @@ def load_conversations(url: str, limit: int | None = None, split: str | None = N
         raise DsparkError(f"{url}: neither a {{\"turns\": […]}} .jsonl file nor a prompt/response artifact "
                           "(no data/ folder).")
     if not conversations:
-        raise DsparkError(f"{url}: holds no usable conversation" + (f" in split {split!r}." if split else "."))
+        where = f" in split {split!r}" if split else ""
+        raise DsparkError(f"{url}: holds no usable conversation{where}.")
     return conversations

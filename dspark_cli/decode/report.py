@@ -116,7 +116,8 @@ def render_table(report: dict[str, Any]) -> Table:
                         f"schedule={report['schedule']}")
     for col in ("dataset", "τ", "accept", "drafted", "verified", "accepted", "tok/s spec", "tok/s target",
                 "speedup", "cond. acceptance by position"):
-        table.add_column(col, justify="left" if col in ("dataset", "cond. acceptance by position") else "right")
+        left = col in ("dataset", "cond. acceptance by position")
+        table.add_column(col, justify="left" if left else "right")
 
     def f(x: float | None, digits: int = 2) -> str:
         return "—" if x is None else f"{x:.{digits}f}"

@@ -28,7 +28,8 @@ def prefix_survival(confidences: Sequence[float]) -> list[float]:
     return out
 
 
-def _candidates(confidences: Sequence[Sequence[float]], max_len: Sequence[int]) -> list[tuple[float, int, int]]:
+def _candidates(confidences: Sequence[Sequence[float]],
+                max_len: Sequence[int]) -> list[tuple[float, int, int]]:
     """(a, r, j) for every admissible slot, best first; ties keep each request's slots in order."""
     items = []
     for r, conf in enumerate(confidences):

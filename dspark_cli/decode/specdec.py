@@ -141,7 +141,8 @@ class SpeculativeDecoder:
             from ..errors import DsparkError
 
             raise DsparkError(f"calibration has {len(temperatures)} temperatures but the drafter drafts "
-                              f"γ = {self.gamma} tokens.", hint="calibrate this drafter with `dspark calibrate`.")
+                              f"γ = {self.gamma} tokens.",
+                              hint="calibrate this drafter with `dspark calibrate`.")
 
     # ---- one conversation turn -----------------------------------------------------------------
 

@@ -139,8 +139,8 @@ def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_ur
     convs = load_conversations(dataset_url, cal.num_prompts, split)
     model, tokenizer, drafter = load_models(cfg, target, drafter_url)
     if drafter.config.enable_confidence_head is False:
-        raise DsparkError(f"{drafter_url}: this drafter has no confidence head; there is nothing to calibrate.")
-    console.print(f"  decoding {len(convs)} held-out conversations with full verification (γ={drafter.block_size})")
+        raise DsparkError(f"{drafter_url}: this drafter has no confidence head; nothing to calibrate.")
+    console.print(f"  decoding {len(convs)} held-out conversations, γ={drafter.block_size} all verified")
     decoder = SpeculativeDecoder(model, tokenizer, drafter, Scheduler("fixed", drafter.block_size),
                                  temperature=cal.temperature, max_new_tokens=cal.max_new_tokens,
                                  thinking=cal.thinking, seed=cal.seed)
@@ -161,7 +161,8 @@ def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_ur
     plots.reliability_plot(rec, fit.temperatures, storage.join(output_url, "reliability.png"), cal.ece_bins)
     storage.write_json(storage.join(output_url, "calibration.json"), result)
     run.finish({"rounds": fit.num_samples, "conversations": len(convs)},
-               extra={"temperatures": fit.temperatures, "ece_before": fit.ece_before, "ece_after": fit.ece_after})
+               extra={"temperatures": fit.temperatures, "ece_before": fit.ece_before,
+                      "ece_after": fit.ece_after})
     return result
 
 
