@@ -1,0 +1,151 @@
+"""Anchors, blocks and the DSpark loss: exact conventions, a naive reference, chunking."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from fixtures.drafter import drafter_config, make_samples
+
+from dspark_cli.model.attention import dense_mask
+from dspark_cli.model.drafter import DSparkDrafter
+from dspark_cli.model.frozen import attach_frozen
+from dspark_cli.train.anchors import anchor_generator, candidate_anchors, sample_anchors
+from dspark_cli.train.blocks import block_targets, pack
+from dspark_cli.train.data import StepPlan
+from dspark_cli.train.loss import DrafterLoss, LossWeights
+
+
+def test_candidates_need_two_supervised_positions():
+    mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0, 1], dtype=torch.bool)
+    assert candidate_anchors(mask).tolist() == [1, 2, 5]
+
+
+def test_anchor_sampling_is_seeded_sorted_and_bounded():
+    mask = torch.ones(200, dtype=torch.bool)
+    a = sample_anchors(mask, 16, anchor_generator(0, 0, 5))
+    b = sample_anchors(mask, 16, anchor_generator(0, 0, 5))
+    c = sample_anchors(mask, 16, anchor_generator(0, 1, 5))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert a.numel() == 16 and torch.equal(a, a.sort().values) and a.unique().numel() == 16
+    assert sample_anchors(mask[:10], 512, anchor_generator(0, 0, 0)).tolist() == list(range(9))
+
+
+def test_block_targets_anchor_first_with_prefix_mask():
+    ids = torch.arange(100, 110)
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 1, 1], dtype=torch.bool)
+    labels, prev, valid, state_pos = block_targets(ids, mask, torch.tensor([2, 7]), gamma=4)
+    assert labels[0].tolist() == [103, 104, 105, 106]  # slot k predicts anchor + k + 1
+    assert prev[0].tolist() == [102, 103, 104, 105]  # x_{k-1}; the anchor for slot 0
+    assert valid[0].tolist() == [True, True, False, False]  # stops at position 5, stays stopped
+    assert state_pos[0].tolist() == [2, 3, 4, 5]
+    assert valid[1].tolist() == [True, True, False, False]  # runs off the sequence end at 10
+
+
+def test_step_plan_same_micro_batches_for_any_world_size():
+    single = StepPlan(40, 8, 2, world_size=1, rank=0, seed=3)
+    ranks = [StepPlan(40, 8, 2, world_size=2, rank=r, seed=3) for r in range(2)]
+    for step in range(7):
+        epoch, micro = single.micro_batches(step)
+        assert epoch == step // 5
+        assert micro == ranks[0].micro_batches(step)[1] + ranks[1].micro_batches(step)[1]
+    seen = [i for s in range(5) for mb in single.micro_batches(s)[1] for i in mb]
+    assert sorted(seen) == list(range(40))  # one epoch covers every sample once
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_qwen3_target):
+    samples = make_samples(tiny_qwen3_target, n=2)
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(drafter_config(tiny_qwen3_target))
+    attach_frozen(drafter, str(tiny_qwen3_target))
+    torch.nn.init.normal_(drafter.markov_head.markov_w2.weight, std=0.3)
+    anchors = [sample_anchors(s["loss_mask"], 6, anchor_generator(0, 0, i)) for i, s in enumerate(samples)]
+    return drafter, pack(samples, anchors, drafter.config)
+
+
+def naive_loss(drafter, batch, w: LossWeights):
+    """Slot by slot, straight from DESIGN.md §3."""
+    h = drafter(batch.block_input_ids, batch.block_position_ids, batch.context_hidden,
+                batch.context_position_ids, dense_mask(batch.layout))
+    num = {"ce": 0.0, "tv": 0.0, "bce": 0.0}
+    wsum = 0.0
+    for n in range(h.shape[0]):
+        for k in range(drafter.block_size):
+            if not batch.valid[n, k]:
+                continue
+            wk = math.exp(-k / w.gamma_decay)
+            prev = batch.prev_tokens[n, k]
+            e = drafter.markov_head.markov_w1.weight[prev]
+            logits = drafter.lm_head.weight @ h[n, k] + drafter.markov_head.markov_w2.weight @ e
+            p_d = torch.softmax(logits, -1)
+            p_t = torch.softmax(drafter.lm_head.weight @ batch.target_hidden[n, k].float(), -1)
+            tv = 0.5 * (p_d - p_t).abs().sum()
+            c_star = (1 - tv).detach()
+            c = torch.sigmoid(drafter.confidence_head.proj.weight[0] @ torch.cat([h[n, k], e])
+                              + drafter.confidence_head.proj.bias[0])
+            bce = -(c_star * torch.log(c) + (1 - c_star) * torch.log(1 - c))
+            num["ce"] = num["ce"] - wk * torch.log(p_d[batch.labels[n, k]])
+            num["tv"] = num["tv"] + wk * tv
+            num["bce"] = num["bce"] + wk * bce
+            wsum += wk
+    return (w.ce * num["ce"] + w.tv * num["tv"] + w.conf * num["bce"]) / wsum
+
+
+def grads(drafter, loss):
+    drafter.zero_grad()
+    loss.backward()
+    return {k: p.grad.clone() for k, p in drafter.named_parameters() if p.requires_grad}
+
+
+def test_loss_matches_the_design_formula(setup):
+    drafter, batch = setup
+    weights = LossWeights(0.1, 0.9, 1.0, 4.0)
+    loss, stats = DrafterLoss(drafter, weights, chunk_blocks=0)(batch, dense_mask(batch.layout))
+    reference = naive_loss(drafter, batch, weights)
+    assert torch.allclose(loss, reference, atol=1e-5)
+    g_fast, g_ref = grads(drafter, loss), grads(drafter, reference)
+    for k in g_fast:
+        assert torch.allclose(g_fast[k], g_ref[k], atol=1e-5), k
+    assert batch.valid.sum() > 0 and float(stats["slot_count"].sum()) == float(batch.valid.sum())
+
+
+def test_chunked_loss_equals_unchunked_and_saves_no_full_vocab_tensor(setup):
+    drafter, batch = setup
+    weights = LossWeights()
+    N, gamma, V = batch.num_blocks, drafter.block_size, drafter.config.vocab_size
+    results = {}
+    for chunk in (0, 2):
+        biggest = []
+
+        def pack_hook(t, biggest=biggest):
+            if V in t.shape:  # vocabulary-wide tensors only
+                biggest.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+            loss, stats = DrafterLoss(drafter, weights, chunk_blocks=chunk)(batch, dense_mask(batch.layout))
+        results[chunk] = (loss, stats, grads(drafter, loss), max(biggest, default=0))
+    (l0, s0, g0, peak0), (l2, s2, g2, peak2) = results[0], results[2]
+    assert torch.allclose(l0, l2, atol=1e-6)
+    for k in g0:
+        assert torch.allclose(g0[k], g2[k], atol=1e-6), k
+    for k in s0:
+        assert torch.allclose(s0[k], s2[k], atol=1e-5), k
+    assert peak0 >= N * gamma * V  # unchunked keeps the [N, γ, V] softmax for backward
+    assert peak2 <= max(V * drafter.config.hidden_size, 2 * gamma * V) < N * gamma * V
+
+
+def test_dflash_baseline_is_weighted_ce_only(tiny_qwen3_target, setup):
+    _, batch = setup
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(drafter_config(tiny_qwen3_target, markov_head_type="none",
+                                           enable_confidence_head=False))
+    attach_frozen(drafter, str(tiny_qwen3_target))
+    loss_fn = DrafterLoss(drafter, LossWeights(1.0, 0.0, 0.0), chunk_blocks=3)
+    loss, stats = loss_fn(batch, dense_mask(batch.layout))
+    assert torch.allclose(loss, stats["ce"]) and float(stats["conf_bce"]) == 0.0
+    assert all(p.grad is None for p in drafter.parameters())
+    loss.backward()
+    assert drafter.fc.weight.grad is not None and drafter.fc.weight.grad.abs().sum() > 0
