@@ -34,11 +34,10 @@ class _Shard:
     """An opened shard: Zarr arrays plus its (small) offsets and per-sample ids."""
 
     def __init__(self, url: str) -> None:
-        group = store.open_shard(url)
-        self.arrays = {name: group[name] for name in group.array_keys()}
+        self.arrays, attrs = store.shard_arrays(url)
         self.offsets = self.arrays["offsets"][...]
         self.final_offsets = self.arrays["final_offsets"][...]
-        self.sample_ids: list[str] = list(group.attrs["sample_ids"])
+        self.sample_ids: list[str] = list(attrs["sample_ids"])
 
 
 class CacheDataset(torch.utils.data.Dataset):

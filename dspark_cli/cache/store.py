@@ -191,8 +191,13 @@ def open_shard(url: str) -> zarr.Group:
     return zarr.open_group(store=zarr_store(url), mode="r", zarr_format=3)
 
 
-# The commit marker lives inside the shard group; zarr warns about the foreign object. It is ours.
-warnings.filterwarnings("ignore", message=f"Object at {storage.COMMIT_MARKER} is not recognized")
+def shard_arrays(url: str) -> tuple[dict[str, zarr.Array], dict[str, Any]]:
+    """A shard's arrays by name and its group attributes."""
+    group = open_shard(url)
+    with warnings.catch_warnings():  # the commit marker inside the group is ours, not zarr's
+        warnings.simplefilter("ignore")
+        names = list(group.array_keys())
+    return {name: group[name] for name in names}, dict(group.attrs)
 
 
 def list_committed(url: str, num_shards: int) -> list[int]:
@@ -209,7 +214,7 @@ def verify_shard(url: str, expected: dict[str, Any], width: int, d: int, storage
             return (f"array '{name}' checksum mismatch "
                     f"(expected {digest[:12]}…, got {str(got.get(name))[:12]}…)")
     try:
-        group = open_shard(url)
+        group, _attrs = shard_arrays(url)
         n, N, K = expected["num_samples"], expected["num_tokens"], expected["num_loss_tokens"]
         shapes = {"input_ids": (N,), "loss_mask": (N,), "hidden": (N, width), "final_hidden": (K, d),
                   "offsets": (n + 1,), "final_offsets": (n + 1,)}

@@ -1,0 +1,193 @@
+"""`dspark cache build` end to end on the tiny 36-layer Qwen3: bit-exact states, every backend,
+verify catching corruption, fp8, many workers, and the reader's refusals."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import typer
+from fixtures.cache_responses import response_rows, write_responses
+from typer.testing import CliRunner
+
+from dspark_cli import manifest, storage
+from dspark_cli.cache.build import build_cache, finalize_cache
+from dspark_cli.cache.reader import CacheDataset, ShardLocalSampler
+from dspark_cli.cache.render import render_conversation
+from dspark_cli.cache.target import auto_layers, load_target, resolve_layers, target_config_hash
+from dspark_cli.cache.verify import summary, verify_cache
+from dspark_cli.commands import cache as cache_commands
+from dspark_cli.config import load_config
+from dspark_cli.errors import DsparkError
+
+LAYERS = [1, 9, 17, 25, 33]
+
+
+def invoke(*args: str):
+    app = typer.Typer()
+    cache_commands.register(app)
+    return CliRunner().invoke(app, ["cache", *args])
+
+
+def config(target: Path, *sets: str):
+    return load_config(None, [f"target.model={target}", "target.device=cpu", "cache.min_loss_tokens=8",
+                              "cache.samples_per_shard=3", *sets])
+
+
+@pytest.fixture(scope="module")
+def responses(tmp_path_factory) -> str:
+    """7 conversations (one too short to keep) as a contract-2 responses artifact."""
+    url = str(tmp_path_factory.mktemp("resp") / "responses")
+    return write_responses(url, response_rows(7, short_every=4))
+
+
+@pytest.fixture(scope="module")
+def local_cache(tmp_path_factory, tiny_qwen3_target, responses) -> str:
+    out = str(tmp_path_factory.mktemp("cache") / "cache")
+    result = invoke("build", "--responses", responses, "--output", out, "--target", str(tiny_qwen3_target),
+                    "--layers", "1,9,17,25,33", "--device", "cpu", "--samples-per-shard", "3",
+                    "--min-loss-tokens", "8")
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    return out
+
+
+def test_stored_states_are_the_targets_hidden_states_bit_for_bit(local_cache, tiny_qwen3_target, responses):
+    model, tokenizer = load_target(str(tiny_qwen3_target), "bfloat16", "cpu")
+    ds = CacheDataset(local_cache, expect_layers=LAYERS, expect_hidden_size=32,
+                      expect_target_config_hash=target_config_hash(model))
+    from dspark_cli.data.io import read_rows
+
+    rows = {r["id"]: r for r in read_rows(responses)}
+    assert len(ds) == 6  # 7 rows, one skipped for too few loss tokens
+    assert manifest.read_manifest(local_cache)["counts"]["skipped"] == {"too_few_loss_tokens": 1}
+    for i in range(len(ds)):
+        item = ds[i]
+        row = rows[item["sample_id"]]
+        ids, mask = render_conversation(tokenizer, row["messages"], row["thinking"], 4096)
+        assert item["input_ids"].tolist() == ids and item["loss_mask"].int().tolist() == mask
+        with torch.no_grad():
+            out = model.model(torch.tensor([ids]), output_hidden_states=True)
+            logits = model(torch.tensor([ids])).logits[0]
+        expected = torch.cat([out.hidden_states[i + 1][0] for i in LAYERS], dim=-1)
+        assert item["hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(item["hidden_states"], expected)
+        loss = item["loss_mask"]
+        assert torch.equal(item["final_hidden"][loss], out.hidden_states[-1][0][loss])
+        assert not item["final_hidden"][~loss].any()
+        # The final state is after the last norm: the frozen lm_head gives the target's logits.
+        assert torch.equal(model.lm_head(item["final_hidden"][loss]), logits[loss])
+        assert ds.split_of(i) == row["split"]
+
+
+def test_manifest_records_what_and_how(local_cache, tiny_qwen3_target):
+    extra = manifest.read_manifest(local_cache)["extra"]
+    assert extra["layers"] == LAYERS and extra["hidden_size"] == 32 and extra["num_target_layers"] == 36
+    assert extra["storage_dtype"] == "bf16" and extra["num_samples"] == 6 and len(extra["shards"]) == 3
+    assert extra["target"] == str(tiny_qwen3_target)
+    assert all(len(s["checksums"]) == 7 for s in extra["shards"])
+    assert extra["bytes"] < extra["reference_bytes"]
+    assert verify_cache(local_cache)["samples"] == 6
+    info = summary(local_cache)
+    assert info["tokens"] == extra["num_tokens"] and info["vs_reference"] < 1
+    assert invoke("inspect", local_cache).exit_code == 0
+
+
+def test_rerun_is_a_no_op_and_changed_config_is_refused(local_cache, tiny_qwen3_target, responses):
+    cfg = config(tiny_qwen3_target)
+    assert build_cache(cfg, responses, local_cache, quiet=True)["state"] == "done"
+    with pytest.raises(DsparkError, match="storage_dtype"):
+        fp8 = config(tiny_qwen3_target, "cache.storage_dtype='fp8'")
+        build_cache(fp8, responses, local_cache, quiet=True)
+
+
+@pytest.mark.parametrize("backend", ["memory", "s3"])
+def test_build_verify_read_on_remote_storage(backend, request, local_cache, tiny_qwen3_target, responses):
+    root = request.getfixturevalue("memory_url" if backend == "memory" else "s3_bucket")
+    out = storage.join(root, "cache")
+    build_cache(config(tiny_qwen3_target), responses, out, quiet=True)
+    verify_cache(out)
+    local, remote = manifest.read_manifest(local_cache)["extra"], manifest.read_manifest(out)["extra"]
+    assert [s["checksums"] for s in remote["shards"]] == [s["checksums"] for s in local["shards"]]
+    ds, ref = CacheDataset(out, expect_layers=LAYERS), CacheDataset(local_cache)
+    order = list(ShardLocalSampler(ds, seed=1))
+    assert sorted(order) == list(range(len(ds)))
+    for i in order:
+        a, b = ds[i], ref[i]
+        assert a["sample_id"] == b["sample_id"] and torch.equal(a["hidden_states"], b["hidden_states"])
+
+
+def test_verify_names_the_shard_and_array_with_a_flipped_byte(local_cache, tmp_path):
+    copy = tmp_path / "cache"
+    shutil.copytree(local_cache, copy)
+    chunk = copy / "shards" / "shard-00001" / "hidden" / "c" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(DsparkError, match=r"shard-00001: array 'hidden' checksum mismatch"):
+        verify_cache(str(copy))
+    result = invoke("verify", str(copy))
+    assert result.exit_code != 0
+
+
+def test_fp8_storage_is_smaller_and_close(local_cache, tiny_qwen3_target, responses, memory_url):
+    out = storage.join(memory_url, "fp8")
+    build_cache(config(tiny_qwen3_target, "cache.storage_dtype='fp8'"), responses, out, quiet=True)
+    verify_cache(out)
+    fp8, ref = manifest.read_manifest(out)["extra"], manifest.read_manifest(local_cache)["extra"]
+    assert fp8["storage_dtype"] == "fp8" and fp8["bytes"] < 0.75 * ref["bytes"]
+    q, exact = CacheDataset(out), CacheDataset(local_cache)
+    for i in range(len(q)):
+        a, b = q[i]["hidden_states"].float(), exact[i]["hidden_states"].float()
+        assert (a - b).norm() / b.norm() < 0.05
+        fa, fb = q[i]["final_hidden"].float(), exact[i]["final_hidden"].float()
+        assert (fa - fb).norm() / fb.norm() < 0.05
+
+
+def test_two_workers_fill_one_cache_and_the_last_finalizes(local_cache, tiny_qwen3_target, responses,
+                                                           memory_url):
+    out = storage.join(memory_url, "multi")
+    cfg = config(tiny_qwen3_target)
+    first = build_cache(cfg, responses, out, num_workers=2, worker_index=0, quiet=True)
+    assert first["shards_built"] == 2 and first["manifest"] is None
+    with pytest.raises(DsparkError, match="shard-00001"):
+        finalize_cache(out)
+    second = build_cache(cfg, responses, out, num_workers=2, worker_index=1, quiet=True)
+    assert second["shards_built"] == 1 and second["manifest"] is not None
+    ref = manifest.read_manifest(local_cache)["extra"]["shards"]
+    assert [s["checksums"] for s in manifest.read_manifest(out)["extra"]["shards"]] == \
+        [s["checksums"] for s in ref]
+
+
+def test_reader_refuses_a_cache_for_another_config(local_cache):
+    with pytest.raises(DsparkError, match="layers"):
+        CacheDataset(local_cache, expect_layers=[1, 2, 3])
+    with pytest.raises(DsparkError, match="hidden size"):
+        CacheDataset(local_cache, expect_hidden_size=64)
+    with pytest.raises(DsparkError, match="another target"):
+        CacheDataset(local_cache, expect_target_config_hash="0" * 64)
+    train, val = CacheDataset(local_cache, split="train"), CacheDataset(local_cache, split="validation")
+    assert len(train) + len(val) == 6 and len(val) >= 1
+
+
+def test_layer_ids_are_checked_against_the_target():
+    assert auto_layers(36) == [1, 9, 17, 25, 33]
+    assert auto_layers(40) == [1, 10, 19, 28, 37]
+    assert auto_layers(6) == sorted(set(auto_layers(6))) and max(auto_layers(6)) < 6
+    assert resolve_layers("auto", 36) == LAYERS and resolve_layers([], 36) == LAYERS
+    with pytest.raises(DsparkError, match="the target has 36 layers"):
+        resolve_layers("1,9,36", 36)
+
+
+def test_out_of_range_layer_is_one_line_error(tiny_qwen3_target, responses, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark_cli.cli", "cache", "build", "--responses", responses,
+         "--output", str(tmp_path / "c"), "--target", str(tiny_qwen3_target), "--layers", "1,9,40"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert lines == ["error: --layers: id 40 is out of range; the target has 36 layers (valid ids 0..35)."]
+    assert "Traceback" not in proc.stderr
