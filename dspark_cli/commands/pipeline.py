@@ -10,10 +10,11 @@ import json
 from typing import Annotated
 
 import typer
+from rich.table import Table
 
 from ..console import out
 from ._common import load
-from ._options import SetOpt
+from ._options import ForceOpt, SetOpt
 
 pipeline_app = typer.Typer(help="Run or inspect a whole pipeline config.", no_args_is_help=True)
 
@@ -25,6 +26,27 @@ def show(config: ConfigArg, set_: SetOpt = None) -> None:
     """Print the resolved config (file + --set overrides + defaults) as JSON."""
     cfg = load(config, set_)
     out.print_json(json.dumps(cfg.to_dict()))
+
+
+@pipeline_app.command("run")
+def run(
+    config: ConfigArg,
+    set_: SetOpt = None,
+    stages: Annotated[str | None, typer.Option(
+        help="Comma-separated subset: prepare,regen,cache,train,calibrate,eval (default: all).")] = None,
+    force: ForceOpt = False,
+) -> None:
+    """Run every stage in order, skipping finished ones and resuming an interrupted one."""
+    from ..pipeline import run_pipeline
+
+    outcomes = run_pipeline(config, set_, stages=stages, force=force)
+    table = Table(title="pipeline")
+    table.add_column("stage")
+    table.add_column("seconds", justify="right")
+    table.add_column("output")
+    for o in outcomes:
+        table.add_row(o.stage, f"{o.seconds:.1f}", o.output_url)
+    out.print(table)
 
 
 def register(app: typer.Typer) -> None:
