@@ -93,7 +93,7 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float) -> Callab
 
     def factor(step: int) -> float:
         if step < warmup:
-            return (step + 1) / warmup
+            return (step + 1) / (warmup + 1)
         progress = (step - warmup) / max(1, total_steps - warmup)
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
@@ -133,13 +133,15 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     device_type = resolve_device(tc.device, 0).type
     world = Dist.from_env(device_type)
     device = resolve_device(tc.device, world.local_rank)
+    supplied = dataset is not None
     if dataset is None:
         dataset = open_dataset(cfg, cache_url)
     meta = dict(getattr(dataset, "meta", {}) or {})
     dcfg = drafter_config_for(cfg, meta)
 
     stage_config = {"target": cfg.target.to_dict(), "model": cfg.model.to_dict(), "train": tc.to_dict()}
-    inputs = {cache_url: fingerprint(cache_url)}
+    # A caller-supplied dataset has no artifact to fingerprint; its URL is only a label.
+    inputs = {cache_url: f"dataset:{len(dataset)}" if supplied else fingerprint(cache_url)}
     if world.main:
         run = prepare_stage(STAGE, output_url, stage_config, inputs, force=force)
     world.barrier()

@@ -1,0 +1,132 @@
+"""`dspark train` end to end: layout, resume after SIGKILL, 2-rank DDP = 1 process, CLI on a cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures.drafter import make_samples
+from fixtures.tiny_models import mask_token_id
+from safetensors.torch import load as st_load
+
+from dspark_cli import storage
+from dspark_cli.config import load_config
+from dspark_cli.errors import StageConflictError
+from dspark_cli.manifest import read_manifest
+from dspark_cli.train.checkpoint import committed_steps
+from dspark_cli.train.trainer import train
+
+DRIVER = str(Path(__file__).resolve().parent / "fixtures" / "train_driver.py")
+SMALL = ["model.num_draft_layers=2", "model.block_size=4", "model.markov_rank=16", "train.num_anchors=8",
+         "train.global_batch=4", "train.micro_batch=1", "train.log_every=1", "train.save_every=2",
+         "train.keep_last=2", "train.loss_chunk_blocks=4", "train.warmup_ratio=0.25"]
+
+
+def sets_for(target, *extra):
+    return [f"target.model={target}", f"target.mask_token_id={mask_token_id(target)}", *SMALL, *extra]
+
+
+def metrics(url: str) -> list[dict]:
+    return [json.loads(line) for line in storage.read_text(storage.join(url, "metrics.jsonl")).splitlines()]
+
+
+def run_driver(target, output, *sets, nproc: int = 1, kill_after: int = 0) -> subprocess.CompletedProcess:
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+              if nproc > 1 else [sys.executable])
+    cmd = [*launch, DRIVER, str(target), str(output), "--kill-after-step", str(kill_after)]
+    for s in sets:
+        cmd += ["--set", s]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_qwen3_target):
+    return make_samples(tiny_qwen3_target, n=8)
+
+
+def test_train_writes_the_contract_5_layout_on_memory(tiny_qwen3_target, samples, memory_url):
+    cfg = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=4"))
+    out = storage.join(memory_url, "train")
+    manifest = train(cfg, "features://tiny", out, dataset=samples)
+    assert manifest["stage"] == "train" and manifest["counts"]["steps"] == 4
+    assert committed_steps(out) == [2, 4]  # keep_last = 2
+    assert storage.read_text(storage.join(out, "checkpoints", "latest")).strip() == "step-00000004"
+    assert storage.exists(storage.join(out, "export", "config.json"))
+    assert storage.exists(storage.join(out, "export", "model.safetensors"))
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert {"loss", "ce", "tv", "conf_bce", "slot_acceptance", "accepted_length", "conf_error",
+                "tokens_per_s", "lr"} <= set(r)
+        assert len(r["slot_acceptance"]) == 4 and 1.0 <= r["accepted_length"] <= 5.0
+    assert rows[0]["lr"] < rows[1]["lr"]  # warmup, then cosine decay
+    assert rows[1]["lr"] > rows[3]["lr"]
+    # The exported weights are the last checkpoint's.
+    ckpt = st_load(storage.read_bytes(storage.join(out, "checkpoints", "step-00000004", "model.safetensors")))
+    export = st_load(storage.read_bytes(storage.join(out, "export", "model.safetensors")))
+    assert set(ckpt) == set(export)
+    assert torch.equal(ckpt["fc.weight"].to(torch.bfloat16), export["fc.weight"])
+    # Rerun: nothing to do. Another config: refused, naming the key.
+    assert train(cfg, "features://tiny", out, dataset=samples) is None
+    other = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=4", "train.lr=1e-3"))
+    with pytest.raises(StageConflictError, match="config.train.lr"):
+        train(other, "features://tiny", out, dataset=samples)
+
+
+def test_training_lowers_the_loss(tiny_qwen3_target, samples, tmp_path):
+    cfg = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=12", "train.lr=3e-3",
+                                     "train.save_every=100"))
+    train(cfg, "features://tiny", str(tmp_path), dataset=samples)
+    rows = metrics(str(tmp_path))
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_sigkill_after_a_checkpoint_then_resume_gives_the_same_losses(tiny_qwen3_target, tmp_path):
+    sets = ["train.max_steps=8"]
+    whole = run_driver(tiny_qwen3_target, tmp_path / "whole", *sets_for(tiny_qwen3_target, *sets))
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    killed = run_driver(tiny_qwen3_target, tmp_path / "killed", *sets_for(tiny_qwen3_target, *sets),
+                        kill_after=5)
+    assert killed.returncode == -9
+    out = str(tmp_path / "killed")
+    assert committed_steps(out) == [2, 4] and read_manifest(out) is None
+    # A checkpoint being written when the kill came: no marker, so resume must ignore it.
+    partial = tmp_path / "killed" / "checkpoints" / "step-00000006"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half a file")
+    resumed = run_driver(tiny_qwen3_target, tmp_path / "killed", *sets_for(tiny_qwen3_target, *sets))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from" in resumed.stderr
+    a, b = metrics(str(tmp_path / "whole")), metrics(out)
+    assert [r["step"] for r in b] == list(range(1, 9))  # every step once: no loss, no duplicate
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6, abs=1e-7), ra["step"]
+        assert ra["slot_acceptance"] == pytest.approx(rb["slot_acceptance"], rel=1e-5)
+    assert committed_steps(out) == [6, 8]
+    wa = st_load((tmp_path / "whole" / "export" / "model.safetensors").read_bytes())
+    wb = st_load((tmp_path / "killed" / "export" / "model.safetensors").read_bytes())
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_two_rank_ddp_matches_one_process(tiny_qwen3_target, tmp_path):
+    sets = sets_for(tiny_qwen3_target, "train.max_steps=3", "train.save_every=100")
+    one = run_driver(tiny_qwen3_target, tmp_path / "one", *sets)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = run_driver(tiny_qwen3_target, tmp_path / "two", *sets, nproc=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = metrics(str(tmp_path / "one")), metrics(str(tmp_path / "two"))
+    assert len(a) == len(b) == 3
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5), ra["step"]
+        assert ra["anchor_slots"] == rb["anchor_slots"]
+    wa = st_load((tmp_path / "one" / "checkpoints" / "step-00000003" / "model.safetensors").read_bytes())
+    wb = st_load((tmp_path / "two" / "checkpoints" / "step-00000003" / "model.safetensors").read_bytes())
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], atol=1e-5), k
+    assert read_manifest(str(tmp_path / "two"))["extra"]["world_size"] == 2
