@@ -15,6 +15,7 @@ import hashlib
 import json
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,19 @@ def prepare(cfg: PipelineConfig, output_url: str | None = None, force: bool = Fa
     run = manifest.prepare_stage(STAGE, output_url, {"data": data.to_dict()}, inputs, force=force)
     if run.state == "done":
         return PrepareResult(output_url, "done", (manifest.read_manifest(output_url) or {}).get("counts", {}))
+    try:
+        return _write(cfg, output_url, run, input_names, raw_rows)
+    except BaseException:
+        if run.state == "fresh":  # nothing worth resuming: leave the output as if never started
+            for name in (io.DATA_DIR, QUARANTINE_NAME, manifest.RUN_NAME):
+                storage.remove(storage.join(output_url, name))
+        raise
+
+
+def _write(cfg: PipelineConfig, output_url: str, run: manifest.StageRun, input_names: list[str],
+           raw_rows: Iterator[sources.RawRow]) -> PrepareResult:
+    """Stream, normalise, dedupe, split and write; the manifest last."""
+    data = cfg.data
     storage.clean_temporaries(output_url)
     data_url = storage.join(output_url, io.DATA_DIR)
     storage.remove(data_url)  # a resumed prepare is redone from the start: it is quick and pure

@@ -62,33 +62,43 @@ def sampling_params(s: RegenSettings) -> dict[str, Any]:
             "max_tokens": s.max_tokens, "enable_thinking": s.thinking}
 
 
-def request_kwargs(s: RegenSettings) -> dict[str, Any]:
-    """Keyword arguments of `chat.completions.create` besides messages: top_k, min_p and the
-    thinking switch travel in `extra_body`, as vLLM and SGLang expect them."""
-    extra: dict[str, Any] = {"chat_template_kwargs": {"enable_thinking": s.thinking}}
+def request_body(s: RegenSettings) -> dict[str, Any]:
+    """The chat-completions body besides `messages`: top_k, min_p and the thinking switch sit at
+    top level, as vLLM and SGLang read them (what the SDK's `extra_body` would merge in)."""
+    body: dict[str, Any] = {"model": s.model, "temperature": s.temperature, "top_p": s.top_p,
+                            "max_tokens": s.max_tokens,
+                            "chat_template_kwargs": {"enable_thinking": s.thinking}}
     if s.top_k is not None:
-        extra["top_k"] = s.top_k
+        body["top_k"] = s.top_k
     if s.min_p is not None:
-        extra["min_p"] = s.min_p
-    return {"model": s.model, "temperature": s.temperature, "top_p": s.top_p,
-            "max_tokens": s.max_tokens, "extra_body": extra}
+        body["min_p"] = s.min_p
+    return body
 
 
-def parse_completion(response: Any) -> Turn:
-    """A chat completion → Turn; MalformedResponse when it is not one (e.g. a proxy's HTML page)."""
+async def chat_completion(client: openai.AsyncOpenAI, body: dict[str, Any]) -> Any:
+    """POST /chat/completions through the SDK's own request path (auth, errors, timeouts), returning
+    the decoded JSON. `client.chat.completions.create` sends the same request, but its typed
+    parameter transform and response models cost ~0.6 ms CPU per call (measured: 2.1 vs 1.4 ms),
+    which caps one process near 200 req/s; regen needs the SDK's transport, not its types."""
+    return await client.post("/chat/completions", cast_to=object, body=body)
+
+
+def parse_completion(data: Any) -> Turn:
+    """Decoded chat completion → Turn; MalformedResponse when it is not one (e.g. a proxy's page)."""
     try:
-        choice = response.choices[0]
-        message = choice.message
-        content = message.content or ""
-        reasoning = getattr(message, "reasoning_content", None) or getattr(message, "reasoning", None)
-        usage = response.usage
-    except (AttributeError, IndexError, TypeError) as e:
-        raise MalformedResponse(f"not a chat completion: {str(response)[:200]!r}") from e
+        choice = data["choices"][0]
+        message = choice["message"]
+        content = message.get("content") or ""
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        finish = choice.get("finish_reason") or "unknown"
+        usage = data.get("usage") or {}
+        prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        completion_tokens = int(usage.get("completion_tokens") or 0)
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+        raise MalformedResponse(f"not a chat completion: {str(data)[:200]!r}") from e
     if not isinstance(content, str) or (reasoning is not None and not isinstance(reasoning, str)):
         raise MalformedResponse("message content is not text")
-    prompt_tokens = int(getattr(usage, "prompt_tokens", 0) or 0)
-    completion_tokens = int(getattr(usage, "completion_tokens", 0) or 0)
-    return Turn(content, reasoning, choice.finish_reason or "unknown", prompt_tokens, completion_tokens)
+    return Turn(content, reasoning, str(finish), prompt_tokens, completion_tokens)
 
 
 def api_key(s: RegenSettings) -> str:
@@ -148,7 +158,7 @@ class _Job:
         self.counters = counters
         self.progress = progress
         self.policy = RetryPolicy(settings.max_retries, settings.retry_base_delay, settings.retry_max_delay)
-        self.kwargs = request_kwargs(settings)
+        self.body = request_body(settings)
         self.sampling = json.dumps(sampling_params(settings), sort_keys=True)
         self.ok: list[dict[str, Any]] = []
         self.rejected: list[dict[str, Any]] = []
@@ -196,8 +206,7 @@ class _Job:
         while True:
             self.counters.requests += 1
             try:
-                response = await client.chat.completions.create(messages=messages, **self.kwargs)
-                return parse_completion(response)
+                return parse_completion(await chat_completion(client, {**self.body, "messages": messages}))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - classify decides: retry or record

@@ -132,23 +132,32 @@ def read_local(url: str) -> Iterator[RawRow]:
         yield from _lines(url, data)
 
 
+def _hub_error(dataset_id: str, split: str, e: Exception) -> DsparkError:
+    message = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return DsparkError(
+        f"could not load Hugging Face dataset '{dataset_id}' (split '{split}'): {message[:300]}",
+        hint="check the id and your network (HF_HUB_OFFLINE), or pass local files: --source 'data/*.jsonl'.",
+    )
+
+
 def read_hub(dataset_id: str, split: str) -> Iterator[RawRow]:
-    """Stream a hub dataset through `datasets`; one clear line when it cannot be reached."""
+    """Open a hub dataset as a stream now (so an unreachable hub fails before any output is
+    written) and return its rows; one clear line when it cannot be reached."""
     try:
         import datasets
 
-        ds = datasets.load_dataset(dataset_id, split=split, streaming=True)
-        for i, row in enumerate(ds):
-            yield RawRow(f"hf://{dataset_id}[{split}]", i, row=row)
-    except DsparkError:
-        raise
+        stream = datasets.load_dataset(dataset_id, split=split, streaming=True)
     except Exception as e:  # noqa: BLE001 - network, auth, missing dataset: one line for the user
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DsparkError(
-            f"could not load Hugging Face dataset '{dataset_id}' (split '{split}'): {message[:300]}",
-            hint="check the id and your network (HF_HUB_OFFLINE), or pass local files: "
-                 "--source 'data/*.jsonl'.",
-        ) from None
+        raise _hub_error(dataset_id, split, e) from None
+
+    def rows() -> Iterator[RawRow]:
+        try:
+            for i, row in enumerate(stream):
+                yield RawRow(f"hf://{dataset_id}[{split}]", i, row=row)
+        except Exception as e:  # noqa: BLE001 - the connection dropped mid-stream
+            raise _hub_error(dataset_id, split, e) from None
+
+    return rows()
 
 
 def read_source(source: str, split: str) -> tuple[list[str], Iterator[RawRow]]:

@@ -1,0 +1,72 @@
+"""Regen client throughput against the fixture server with a fixed reply delay.
+
+    .venv/bin/python benchmarks/bench_regen.py --prompts 3200 --delay 0.2 --concurrency 64
+
+With a 200 ms reply and 64 requests in flight the ideal is 64 / 0.2 = 320 requests/s; the client
+(and the storage writes it makes) should reach at least 85 % of that. Prints one line per figure
+and, with --json, a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from fixtures.openai_server import start_openai_server  # noqa: E402
+
+from dspark_cli.config import load_config  # noqa: E402
+from dspark_cli.data.prepare import prepare  # noqa: E402
+from dspark_cli.data.regen import regen  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=3200)
+    parser.add_argument("--delay", type=float, default=0.2)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--batch-rows", type=int, default=256)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="bench-regen-") as tmp, \
+            start_openai_server(model="bench-model", faults={"delay": args.delay}) as server:
+        src = Path(tmp) / "prompts.jsonl"
+        with src.open("w") as f:
+            for i in range(args.prompts):
+                f.write(json.dumps({"id": f"p{i}", "messages": [
+                    {"role": "user", "content": f"Question {i}: what is {i} plus {i * 7}?"}]}) + "\n")
+        cfg = load_config(None, [f"data.source={src}", f"regen.endpoints=['{server.url}']",
+                                 "regen.model=bench-model", f"regen.concurrency={args.concurrency}",
+                                 f"regen.batch_rows={args.batch_rows}"])
+        prepare(cfg, f"{tmp}/prompts")
+        start = time.perf_counter()
+        result = regen(cfg, f"{tmp}/prompts", f"{tmp}/responses", show_progress=False)
+        wall = time.perf_counter() - start
+        stats = server.stats()
+
+    ideal = args.concurrency / args.delay
+    manifest_rate = result.counts["requests_this_run"] / wall
+    summary = {
+        "prompts": args.prompts, "delay_s": args.delay, "concurrency": args.concurrency,
+        "responses": result.counts["responses"], "server_completions": stats["completions"],
+        "wall_s": round(wall, 3), "requests_per_s": round(manifest_rate, 1),
+        "ideal_requests_per_s": round(ideal, 1), "fraction_of_ideal": round(manifest_rate / ideal, 3),
+    }
+    print(f"regen: {summary['responses']} responses in {summary['wall_s']} s "
+          f"(end to end: probe, reads, requests, shard writes, manifest)")
+    print(f"achieved {summary['requests_per_s']} req/s of an ideal {summary['ideal_requests_per_s']} "
+          f"(delay {args.delay}s x concurrency {args.concurrency}) -> "
+          f"{summary['fraction_of_ideal']:.3f} of ideal (goal >= 0.85)")
+    if args.json:
+        print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
