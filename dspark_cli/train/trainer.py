@@ -118,6 +118,12 @@ def drafter_config_for(cfg: PipelineConfig, meta: dict[str, Any]) -> DrafterConf
     if meta.get("hidden_size") and int(meta["hidden_size"]) != config.hidden_size:
         raise DsparkError(f"the cache's hidden size {meta['hidden_size']} differs from the target's "
                           f"{config.hidden_size} ({target}).")
+    if meta.get("target_config_hash"):
+        from ..cache.target import target_config_hash
+
+        if target_config_hash(target_config) != meta["target_config_hash"]:
+            raise DsparkError(f"the cache was built from another target than {target} (config hash differs).",
+                              hint="train with the target the cache was built from (--target).")
     return config
 
 

@@ -1,0 +1,67 @@
+"""`dspark train` on a real cache built by `dspark cache build`, through the CLI entry point."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from fixtures.cache_responses import response_rows, write_responses
+from fixtures.tiny_models import mask_token_id
+
+from dspark_cli.cache.build import build_cache
+from dspark_cli.cli import main
+from dspark_cli.config import load_config
+from dspark_cli.model.export import load_drafter
+from dspark_cli.train.checkpoint import committed_steps
+
+SETS = ["model.num_draft_layers=1", "model.block_size=3", "model.markov_rank=8", "train.num_anchors=6",
+        "train.global_batch=2", "train.save_every=2", "train.log_every=1", "target.device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, tiny_qwen3_target) -> str:
+    root = tmp_path_factory.mktemp("train-cli")
+    responses = write_responses(str(root / "responses"), response_rows(6))
+    cfg = load_config(None, [f"target.model={tiny_qwen3_target}", "target.device=cpu",
+                             "cache.min_loss_tokens=8", "cache.samples_per_shard=3"])
+    build_cache(cfg, responses, str(root / "cache"), quiet=True)
+    return str(root / "cache")
+
+
+def run(*args: str) -> int:
+    try:
+        main(list(args))
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+def test_train_from_cache_then_reload(cache, tiny_qwen3_target, tmp_path, capsys):
+    out = str(tmp_path / "train")
+    sets = [a for s in SETS for a in ("--set", s)]
+    code = run("train", "--cache", cache, "--output", out, "--max-steps", "3",
+               "--set", f"target.mask_token_id={mask_token_id(tiny_qwen3_target)}", *sets)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    result = json.loads(captured.out)
+    assert result["steps"] == 3 and result["export"].endswith("/export")
+    assert committed_steps(out) == [2, 3]
+    # The target recorded in the cache is used: no --target needed, and the export reloads.
+    drafter = load_drafter(out)
+    assert drafter.config.target_model == str(tiny_qwen3_target)
+    assert drafter.block_size == 3 and torch.isfinite(drafter.fc.weight).all()
+
+
+def test_missing_mask_token_is_one_line_error(cache, tmp_path, capsys):
+    code = run("train", "--cache", cache, "--output", str(tmp_path / "t"), "--max-steps", "1",
+               *[a for s in SETS for a in ("--set", s)])
+    err = capsys.readouterr().err
+    assert code == 2 and "error: target.mask_token_id is not set" in err and "Traceback" not in err
+
+
+def test_out_of_vocab_mask_token_is_refused(cache, tmp_path, capsys):
+    code = run("train", "--cache", cache, "--output", str(tmp_path / "t"), "--max-steps", "1",
+               "--set", "target.mask_token_id=385", *[a for s in SETS for a in ("--set", s)])
+    err = capsys.readouterr().err
+    assert code == 2 and "not a row of the target embedding (vocab size 385)" in err
