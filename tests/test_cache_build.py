@@ -191,3 +191,34 @@ def test_out_of_range_layer_is_one_line_error(tiny_qwen3_target, responses, tmp_
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert lines == ["error: --layers: id 40 is out of range; the target has 36 layers (valid ids 0..35)."]
     assert "Traceback" not in proc.stderr
+
+
+def test_reader_survives_pickling_for_dataloader_workers(local_cache):
+    import pickle
+
+    ds = CacheDataset(local_cache)
+    ds[0]
+    clone = pickle.loads(pickle.dumps(ds))
+    assert torch.equal(clone[3]["hidden_states"], ds[3]["hidden_states"])
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, sampler=ShardLocalSampler(ds, seed=2))
+    assert sorted(item["sample_id"] for item in loader) == sorted(ds[i]["sample_id"] for i in range(len(ds)))
+
+
+def test_force_with_several_workers_is_refused(tiny_qwen3_target, responses, memory_url):
+    with pytest.raises(DsparkError, match="--force with several workers"):
+        build_cache(config(tiny_qwen3_target), responses, storage.join(memory_url, "c"), force=True,
+                    num_workers=2, worker_index=0, quiet=True)
+
+
+def test_estimate_matches_the_built_cache(local_cache, tiny_qwen3_target, responses):
+    result = invoke("estimate", "--responses", responses, "--target", str(tiny_qwen3_target), "--layers",
+                    "1,9,17,25,33", "--json", "--set", "cache.min_loss_tokens=8")
+    assert result.exit_code == 0, result.output
+    import json
+
+    estimate = json.loads(result.stdout)
+    extra = manifest.read_manifest(local_cache)["extra"]
+    assert estimate["tokens"] == extra["num_tokens"] and estimate["loss_tokens"] == extra["num_loss_tokens"]
+    assert estimate["uncompressed_bytes"] == extra["raw_bytes"]
+    assert estimate["reference_bytes"] == extra["reference_bytes"]
+    assert 0.7 < estimate["expected_bytes"] / extra["bytes"] < 1.3

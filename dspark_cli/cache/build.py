@@ -274,6 +274,9 @@ def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force:
                 quiet: bool = False) -> dict[str, Any]:
     """Build (or resume) this worker's shards; finalize when all are committed. Returns a summary."""
     rank, world = worker_rank(num_workers, worker_index)
+    if force and world > 1:
+        raise DsparkError("--force with several workers would let each one delete the others' shards.",
+                          hint="remove the output once (or run one worker with --force), then the rest.")
     target_cfg = load_target_config(cfg)
     layers = resolve_layers(cfg.target.layers, num_target_layers(target_cfg))
     run = manifest.prepare_stage(STAGE, output_url, stage_config(cfg, layers),

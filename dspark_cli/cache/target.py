@@ -158,8 +158,10 @@ def capture_batch(model: Any, input_ids: torch.Tensor, layers: list[int],
     out = base(**kwargs)
     states = out.hidden_states  # num_layers + 1 tensors of [B, T, d]
     hidden = torch.cat([states[i + 1] for i in layers], dim=-1)  # [B, T, m*d]
-    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-    return Capture(hidden=hidden, final=out.last_hidden_state, past_key_values=cache if use_cache else None)
+    cache = None
+    if use_cache:
+        cache = out["cache"] if "cache" in out.keys() else out.past_key_values
+    return Capture(hidden=hidden, final=out.last_hidden_state, past_key_values=cache)
 
 
 def capture_layers(model: Any, input_ids: torch.Tensor | list[int], layers: list[int]

@@ -16,11 +16,14 @@ class CacheSettings(Section):
     min_loss_tokens: int = 16
     #: bf16 (lossless) or fp8 (e4m3 with a per-token, per-layer scale).
     storage_dtype: str = "bf16"
-    #: Compression codec of hidden-state arrays: zstd, blosc or none.
+    #: Codec of the hidden-state arrays: blosc (byte-shuffle + zstd-3, chosen by measurement on
+    #: SmolLM2 states, see docs/cache.md), zstd (zstd-3) or none.
     compression: str = "blosc"
-    #: Samples per shard (one Zarr group, committed atomically).
-    samples_per_shard: int = 256
-    #: Token budget of one target forward batch.
+    #: Samples per shard (one Zarr group, committed atomically; the unit of resume and of
+    #: multi-worker splitting). Host memory holds up to three shards' states at once.
+    samples_per_shard: int = 64
+    #: Token budget of one target forward batch (only equal-length samples share a batch, so the
+    #: stored states are bit-identical to a single-sequence forward).
     batch_tokens: int = 16384
 
     def validate(self) -> None:

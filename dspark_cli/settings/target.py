@@ -18,7 +18,8 @@ class TargetSettings(Section):
     dtype: str = "bfloat16"
     #: Device: auto (cuda when present), cpu, cuda, cuda:N.
     device: str = "auto"
-    #: Layer ids whose outputs condition the drafter (DESIGN.md §3), or [] for auto (5 spread layers).
+    #: Layer ids whose outputs condition the drafter (DESIGN.md §3): id i = HF hidden_states[i+1];
+    #: [] means auto (5 layers spread over the depth like the reference configs).
     layers: list[int] = field(default_factory=lambda: [1, 9, 17, 25, 33])
     #: Token id fed in the mask slots; must be a valid row of the target embedding.
     mask_token_id: int | None = None
