@@ -196,7 +196,7 @@ class _Job:
         while (row := await rows.get()) is not None:
             await self._conversation(row, client, endpoint)
             self.counters.done += 1
-            if len(self.ok) + len(self.rejected) + len(self.errors) >= self.s.batch_rows:
+            if self._buffered() >= self.s.batch_rows:
                 self._wake.set()
             self.progress.update()
 
@@ -264,20 +264,25 @@ class _Job:
             self.ok.append(out)
 
     async def _write_loop(self) -> None:
-        """Commit a batch when it is full, every `flush_seconds`, and at the end."""
+        """Commit full batches as they fill, everything every `flush_seconds`, and at the end."""
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=self.s.flush_seconds)
+                timed_out = False
             except TimeoutError:
-                pass
+                timed_out = True
             self._wake.clear()
             finished = self._finished
-            await self._flush()
+            await self._flush(partial=finished or timed_out)
             if finished:
                 return
 
-    async def _flush(self) -> None:
-        while self.ok or self.rejected or self.errors:
+    def _buffered(self) -> int:
+        return len(self.ok) + len(self.rejected) + len(self.errors)
+
+    async def _flush(self, partial: bool) -> None:
+        """Write batches of `batch_rows` (and the remainder when `partial`), each in a thread."""
+        while self._buffered() >= self.s.batch_rows or (partial and self._buffered()):
             ok, rejected, errors = self._take(self.s.batch_rows)
             index = self.next_index
             self.next_index += 1
