@@ -149,3 +149,14 @@ def test_dflash_baseline_is_weighted_ce_only(tiny_qwen3_target, setup):
     assert all(p.grad is None for p in drafter.parameters())
     loss.backward()
     assert drafter.fc.weight.grad is not None and drafter.fc.weight.grad.abs().sum() > 0
+
+
+def test_bf16_autocast_is_close_to_fp32(setup):
+    drafter, batch = setup
+    module = DrafterLoss(drafter, LossWeights(), chunk_blocks=4)
+    with torch.no_grad():
+        full, _ = module(batch, dense_mask(batch.layout))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            half, _ = module(batch, dense_mask(batch.layout))
+    assert half.dtype == torch.float32 and torch.isfinite(half)
+    assert abs(float(half) - float(full)) < 0.05 * abs(float(full))

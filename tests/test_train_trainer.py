@@ -51,7 +51,7 @@ def samples(tiny_qwen3_target):
 
 
 def test_train_writes_the_contract_5_layout_on_memory(tiny_qwen3_target, samples, memory_url):
-    cfg = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=4"))
+    cfg = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=4", "train.micro_batch=2"))
     out = storage.join(memory_url, "train")
     manifest = train(cfg, "features://tiny", out, dataset=samples)
     assert manifest["stage"] == "train" and manifest["counts"]["steps"] == 4
@@ -74,7 +74,8 @@ def test_train_writes_the_contract_5_layout_on_memory(tiny_qwen3_target, samples
     assert torch.equal(ckpt["fc.weight"].to(torch.bfloat16), export["fc.weight"])
     # Rerun: nothing to do. Another config: refused, naming the key.
     assert train(cfg, "features://tiny", out, dataset=samples) is None
-    other = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=4", "train.lr=1e-3"))
+    other = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=4", "train.micro_batch=2",
+                                       "train.lr=1e-3"))
     with pytest.raises(StageConflictError, match="config.train.lr"):
         train(other, "features://tiny", out, dataset=samples)
 

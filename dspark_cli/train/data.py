@@ -49,8 +49,18 @@ class StepPlan:
         return self.global_batch // self.world_size // self.micro_batch
 
     def order(self, epoch: int) -> list[int]:
-        gen = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-        return torch.randperm(self.num_samples, generator=gen).tolist()
+        """The epoch's permutation of sample indices (computed once per epoch)."""
+        cached = getattr(self, "_order", None)
+        if cached is None or cached[0] != epoch:
+            gen = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+            self._order = (epoch, torch.randperm(self.num_samples, generator=gen).tolist())
+        return self._order[1]
+
+    def rank_indices(self, step: int) -> list[int]:
+        """Every sample index this rank reads from `step` to the end of its epoch, in order."""
+        epoch = step // self.steps_per_epoch
+        return [i for s in range(step, (epoch + 1) * self.steps_per_epoch)
+                for mb in self.micro_batches(s)[1] for i in mb]
 
     def micro_batches(self, step: int) -> tuple[int, list[list[int]]]:
         """(epoch, this rank's micro-batches of sample indices) for a global step."""

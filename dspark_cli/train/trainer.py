@@ -189,11 +189,16 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     flex = use_flex(device)
     started = time.time()
     record: dict[str, Any] = {}
+    prefetch_epoch = -1
 
     for step in range(start_step, total_steps):
         t0 = time.time()
         lr = scheduler.get_last_lr()[0]
         epoch, micro = plan.micro_batches(step)
+        if epoch != prefetch_epoch and hasattr(dataset, "set_order"):
+            # Tell the cache reader's prefetcher which samples this rank reads next, in order.
+            dataset.set_order(plan.rank_indices(step))
+            prefetch_epoch = epoch
         totals: dict[str, torch.Tensor] = {}
         module.train()
         for i, indices in enumerate(micro):
