@@ -20,7 +20,7 @@ NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 def server(tiny_qwen3_target, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with served(str(tiny_qwen3_target), served_model_name="tiny", log_path=log,
-                args=["--max-batch-size", "8", "--batch-wait-ms", "30", "--threads", "1",
+                args=["--dtype", "float32", "--max-batch-size", "8", "--batch-wait-ms", "30", "--threads", "1",
                       "--default-max-tokens", "16"]) as handle:
         yield handle
 

@@ -23,8 +23,8 @@ def serve(
     served_model_name: Annotated[list[str] | None, typer.Option(
         "--served-model-name", help="Name(s) clients send as `model` (default: MODEL as given and "
         "its folder name). Repeatable; the first is listed by /v1/models.")] = None,
-    dtype: Annotated[str, typer.Option(help="auto (bfloat16 on GPU, float32 on CPU), float32, "
-                                       "bfloat16 or float16.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (bfloat16 on GPU and on CPUs with native bf16, "
+                                       "else float32), float32, bfloat16 or float16.")] = "auto",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
     max_model_len: Annotated[int | None, typer.Option(help="Cap the context length (prompt + "
                                                       "answer).")] = None,

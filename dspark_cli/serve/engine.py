@@ -58,8 +58,8 @@ class Engine:
                               hint="dspark model convert --smollm2 runs/models/smollm2-135m-instruct")
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
                                    else ("cpu" if device == "auto" else device))
-        if dtype == "auto":  # bf16 matmuls are slow on most CPUs
-            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device.type == "cuda" or _cpu_has_fast_bf16() else "float32"
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
             self.model = AutoModelForCausalLM.from_pretrained(
@@ -180,6 +180,14 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
+
+
+def _cpu_has_fast_bf16() -> bool:
+    """True on CPUs with native bf16 matmuls (AVX512-BF16/AMX): there bf16 is ~2x faster than fp32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _new_cache() -> Any:
