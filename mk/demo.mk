@@ -1,0 +1,18 @@
+# The SmolLM2-135M demo pipeline and the DSpark-vs-DFlash quality benchmark (docs/demo.md).
+.PHONY: demo demo-model bench-quality
+
+SMOLLM2 := runs/models/smollm2-135m-instruct
+
+## The bundled SmolLM2-135M-Instruct GGUF as a plain safetensors target (once).
+demo-model: install
+	test -f $(SMOLLM2)/conversion.json || $(BIN)/dspark model convert --smollm2 $(SMOLLM2)
+
+## Whole pipeline on SmolLM2-135M (prepare → serve+regen → cache → train → calibrate → eval), then
+## the short report. Finished stages are reused on a rerun.
+demo: demo-model
+	$(BIN)/dspark pipeline run pipelines/smollm2-135m.toml
+	$(BIN)/python benchmarks/bench_quality.py --demo-report runs/smollm2-135m-dspark
+
+## DSpark vs DFlash on the same data and budget, T=1, held-out GSM8K + HumanEval (+ MT-Bench).
+bench-quality: demo-model
+	$(BIN)/python benchmarks/bench_quality.py
