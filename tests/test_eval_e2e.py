@@ -1,0 +1,215 @@
+"""End to end: the tiny Qwen3 target, a briefly trained drafter, real speculative decoding."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from fixtures.eval_drafter import drafter_settings, train_drafter
+from fixtures.tiny_models import mask_token_id
+
+from dspark_cli import manifest, storage
+from dspark_cli.cache.target import load_target
+from dspark_cli.config import load_config
+from dspark_cli.decode.prompts import Conversation, load_conversations
+from dspark_cli.decode.scheduler import Scheduler
+from dspark_cli.decode.specdec import SpeculativeDecoder, target_only
+from dspark_cli.decode.stages import run_calibrate, run_eval
+from dspark_cli.errors import DsparkError
+from dspark_cli.model.export import load_drafter
+from dspark_cli.schemas import validate
+
+CONVS = [Conversation("a", ["What is 12 plus 30?", "And plus 2?"]),
+         Conversation("b", ["Write a short poem about the sea."], system="Be brief."),
+         Conversation("c", ["Hello!"])]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_qwen3_target, tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("eval-train")
+    return out, train_drafter(tiny_qwen3_target, mask_token_id(tiny_qwen3_target), out, steps=40)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_qwen3_target, trained):
+    model, tokenizer = load_target(str(tiny_qwen3_target), dtype="float32", device="cpu")
+    return model, tokenizer, load_drafter(trained[1], target=str(tiny_qwen3_target))
+
+
+def _jsonl(path: Path, rows: list[list[str]]) -> str:
+    path.write_text("".join(json.dumps({"turns": t}) + "\n" for t in rows))
+    return str(path)
+
+
+def _cfg(target: Path, out: Path, *sets: str):
+    return load_config(None, [*drafter_settings(target, mask_token_id(target), str(out)), *sets])
+
+
+@pytest.mark.parametrize(("schedule", "concurrency"), [("fixed", 1), ("algorithm1", 2), ("async", 3)])
+def test_greedy_speculative_output_equals_target_only(models, schedule, concurrency):
+    """At temperature 0 speculative decoding must reproduce the target's own greedy text exactly."""
+    model, tokenizer, drafter = models
+    base = target_only(model, tokenizer, CONVS, temperature=0.0, max_new_tokens=24, thinking=False)
+    decoder = SpeculativeDecoder(model, tokenizer, drafter, Scheduler(schedule, drafter.block_size),
+                                 temperature=0.0, max_new_tokens=24)
+    spec = decoder.run(CONVS, concurrency)
+    assert spec.answers == base.answers
+    assert spec.new_tokens == base.new_tokens and spec.turns == 4
+    assert sum(r.accepted for r in spec.rounds) > 0  # the drafter did contribute tokens
+    # Every round emits accepted + 1 tokens: the rounds account for every generated token.
+    assert sum(r.accepted + 1 for r in spec.rounds) + spec.turns >= spec.new_tokens
+
+
+def test_trained_drafter_is_accepted_more_than_untrained(models, tiny_qwen3_target):
+    from dspark_cli.model.drafter import DSparkDrafter
+    from dspark_cli.model.frozen import attach_frozen
+
+    model, tokenizer, trained = models
+    torch.manual_seed(123)
+    untrained = DSparkDrafter(trained.config)
+    attach_frozen(untrained, str(tiny_qwen3_target))
+    untrained.eval()
+    taus = []
+    for drafter in (trained, untrained):
+        stats = SpeculativeDecoder(model, tokenizer, drafter, Scheduler("fixed", 4), temperature=0.0,
+                                   max_new_tokens=32).run(CONVS)
+        taus.append(sum(r.accepted + 1 for r in stats.rounds) / len(stats.rounds))
+    assert taus[0] > taus[1], taus
+
+
+def _cli(*args: str) -> int:
+    """Run the real `dspark` entry point in-process; returns its exit code."""
+    from dspark_cli.cli import main
+
+    try:
+        main(list(args))
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+def test_eval_cli_writes_report_and_skips_when_done(trained, tiny_qwen3_target, tmp_path, capsys):
+    out_dir, train_url = trained
+    data = _jsonl(tmp_path / "mt.jsonl", [["Hello!", "More please."], ["What is 12 plus 30?"],
+                                          ["Write a poem."]])
+    output = str(tmp_path / "eval")
+    args = ["eval", "--target", str(tiny_qwen3_target), "--drafter", train_url, "--dataset", data,
+            "--limit", "2", "--max-new-tokens", "16", "--output", output,
+            "--set", "target.dtype='float32'", "--set", "target.device='cpu'"]
+    assert _cli(*args) == 0
+    report = storage.read_json(f"{output}/report.json")
+    validate(report, "eval_report")
+    (d,) = report["datasets"]
+    assert (d["name"], d["conversations"], d["turns"]) == ("mt", 2, 3)
+    assert d["tau"] == pytest.approx((d["accepted"] + d["rounds"]) / d["rounds"]) and d["tau"] >= 1
+    assert d["drafted"] == 4 * d["rounds"] and d["accepted"] <= d["verified"] <= d["drafted"]
+    pa = d["position_acceptance"]
+    assert len(pa["conditional"]) == 4 and pa["reached"][0] == d["rounds"]
+    assert all(a <= n for a, n in zip(pa["accepted"], pa["reached"], strict=True))
+    assert d["tokens_per_second"]["speculative"] > 0 and d["tokens_per_second"]["target_only"] > 0
+    assert [s["threshold"] for s in d["threshold_sweep"]][:2] == [0.05, 0.1]
+    assert storage.read_bytes(f"{output}/acceptance.png")[:4] == b"\x89PNG"
+    assert manifest.read_manifest(output)["counts"]["datasets"] == 1
+    assert "report.json" in capsys.readouterr().out
+    assert _cli(*args) == 0 and "nothing to do" in capsys.readouterr().err
+    assert _cli(*args, "--temperature", "0") == 2
+    err = capsys.readouterr().err
+    assert "eval.temperature" in err and "--force" in err
+
+
+def test_calibrate_then_eval_with_calibration_sps_and_scheduler(trained, tiny_qwen3_target, tmp_path,
+                                                                 memory_url):
+    out_dir, train_url = trained
+    held_out = _jsonl(tmp_path / "held.jsonl", [["Explain step by step."], ["The quick brown fox"],
+                                                ["import numpy as np"], ["Hello! How are you?"]])
+    cfg = _cfg(tiny_qwen3_target, out_dir, "calibrate.num_prompts=4", "calibrate.max_new_tokens=24",
+               "calibrate.t_steps=40")
+    cal_url = memory_url + "/calibration"
+    result = run_calibrate(cfg, str(tiny_qwen3_target), train_url, held_out, cal_url)
+    validate(result, "calibration")
+    assert len(result["temperatures"]) == 4 and result["ece_after"] <= result["ece_before"] + 1e-9
+    assert storage.read_bytes(cal_url + "/reliability.png")[:4] == b"\x89PNG"
+    assert storage.read_json(cal_url + "/calibration.json")["num_samples"] == result["num_samples"]
+
+    sps_url = memory_url + "/sps.json"
+    storage.write_json(sps_url, {"schema_version": 1, "batch_tokens": [1, 4, 8, 16],
+                                 "steps_per_second": [100.0, 95.0, 60.0, 30.0]})
+    data = _jsonl(tmp_path / "g.jsonl", [["What is 12 plus 30?"], ["Write a poem."], ["Hello!"]])
+    cfg = _cfg(tiny_qwen3_target, out_dir, f"eval.datasets=['{data}']", "eval.schedule='algorithm1'",
+               "eval.concurrency=2", "eval.concurrency_sweep=[1, 3]", f"eval.sps='{sps_url}'",
+               f"eval.calibration='{cal_url}/calibration.json'", "eval.max_new_tokens=16",
+               "eval.baseline=false")
+    report = run_eval(cfg, str(tiny_qwen3_target), train_url, memory_url + "/eval")
+    sched = report["datasets"][0]["scheduler"]
+    assert [s["concurrency"] for s in sched] == [2, 1, 3]
+    assert all(s["policy"] == "algorithm1" and s["verified_per_round"] >= 1 for s in sched)
+    assert all(0 <= s["budget_per_request"] <= 4 for s in sched)
+    assert report["datasets"][0]["tokens_per_second"]["target_only"] is None
+    with pytest.raises(DsparkError, match="temperatures"):
+        storage.write_json(memory_url + "/bad.json", {**result, "temperatures": [1.0, 1.0]})
+        cfg = _cfg(tiny_qwen3_target, out_dir, f"eval.datasets=['{data}']",
+                   f"eval.calibration='{memory_url}/bad.json'")
+        run_eval(cfg, str(tiny_qwen3_target), train_url, memory_url + "/eval-bad")
+
+
+def test_eval_killed_midway_resumes_from_committed_datasets(trained, tiny_qwen3_target, tmp_path):
+    out_dir, train_url = trained
+    first = _jsonl(tmp_path / "first.jsonl", [["Hello!"]])
+    second = _jsonl(tmp_path / "second.jsonl", [[f"Write poem number {i}."] for i in range(6)])
+    output = tmp_path / "eval"
+    args = [sys.executable, "-m", "dspark_cli.cli", "eval", "--target", str(tiny_qwen3_target),
+            "--drafter", train_url, "--dataset", first, "--dataset", second, "--max-new-tokens", "16",
+            "--output", str(output), "--set", "target.dtype='float32'", "--set", "target.device='cpu'"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    part = output / "parts" / "000-first.json"
+    deadline = time.time() + 240
+    while not part.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    assert part.exists() and not (output / "report.json").exists()
+    before = part.read_text()
+    resumed = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "already decoded" in resumed.stderr and part.read_text() == before
+    names = [d["name"] for d in storage.read_json(str(output / "report.json"))["datasets"]]
+    assert names == ["first", "second"]
+
+
+def test_prompts_jsonl_and_artifact(tmp_path, memory_url):
+    from dspark_cli.data.io import PROMPT_SCHEMA, write_table
+
+    good = _jsonl(tmp_path / "ok.jsonl", [["a", "b"], ["c"]])
+    convs = load_conversations(good, limit=1)
+    assert [(c.turns, c.system) for c in convs] == [(["a", "b"], None)]
+    (tmp_path / "bad.jsonl").write_text('{"turns": ["x"]}\n{"prompt": "y"}\n')
+    with pytest.raises(DsparkError, match=r"bad\.jsonl:2"):
+        load_conversations(str(tmp_path / "bad.jsonl"))
+    rows = [{"id": f"p{i}", "source": "s", "split": "validation" if i % 2 else "train",
+             "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": f"q{i}"}],
+             "original_assistant": ["x"]} for i in range(4)]
+    write_table(memory_url + "/prompts/data/part-00000.parquet", rows, PROMPT_SCHEMA)
+    val = load_conversations(memory_url + "/prompts", split="validation")
+    assert [(c.id, c.turns, c.system) for c in val] == [("p1", ["q1"], "sys"), ("p3", ["q3"], "sys")]
+    with pytest.raises(DsparkError, match="neither"):
+        load_conversations(memory_url + "/nothing")
+
+
+def test_profile_cli_writes_sps_table(tiny_qwen3_target, tmp_path, capsys):
+    from dspark_cli.decode.sps import SpsTable
+
+    output = tmp_path / "profile"
+    assert _cli("profile", "--target", str(tiny_qwen3_target), "--batch-tokens", "1,4,16", "--repeats", "2",
+                "--context-length", "16", "--dtype", "float32", "--device", "cpu", "-o", str(output)) == 0
+    table = SpsTable.load(str(output / "sps.json"))
+    assert table.batch_tokens == [1, 4, 16] and all(s > 0 for s in table.steps_per_second)
+    assert table.meta["device"] == "cpu" and (output / "sps.png").read_bytes()[:4] == b"\x89PNG"
+    assert "steps/s" in capsys.readouterr().out
+    assert _cli("profile", "--target", str(tiny_qwen3_target), "--batch-tokens", "1,x",
+                "-o", str(tmp_path / "p2")) == 2
+    assert "--batch-tokens" in capsys.readouterr().err
