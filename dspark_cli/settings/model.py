@@ -18,7 +18,9 @@ class ModelSettings(Section):
     block_convention: str = "anchor_first"
     #: vanilla, gated, rnn, or none (DFlash baseline).
     markov_head_type: str = "vanilla"
+    #: r: rank of the Markov transition bias W2·W1[x] (reference 256).
     markov_rank: int = 256
+    #: Predict per-slot acceptance (needed by the confidence scheduler and STS calibration).
     enable_confidence_head: bool = True
     #: Confidence head reads [h_k; W1[x_{k-1}]] (true) or h_k alone (false).
     confidence_head_with_markov: bool = True
@@ -31,6 +33,7 @@ class ModelSettings(Section):
         if self.block_convention not in ("anchor_first", "fill_in"):
             self.fail("block_convention", f"must be anchor_first or fill_in, got {self.block_convention!r}.")
         if self.markov_head_type not in ("vanilla", "gated", "rnn", "none"):
-            self.fail("markov_head_type", f"must be vanilla, gated, rnn or none, got {self.markov_head_type!r}.")
+            self.fail("markov_head_type",
+                      f"must be vanilla, gated, rnn or none, got {self.markov_head_type!r}.")
         if self.markov_rank <= 0:
             self.fail("markov_rank", f"must be > 0, got {self.markov_rank}.")

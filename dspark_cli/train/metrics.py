@@ -12,6 +12,7 @@ from typing import Any
 
 from .. import storage
 from ..console import console
+from ..schemas import validate
 
 METRICS = "metrics.jsonl"
 
@@ -41,6 +42,7 @@ class MetricsLog:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
+        validate(record, "train_metrics", where=self.url)
         self.lines.append(json.dumps(record, sort_keys=True))
         storage.write_text(self.url, "\n".join(self.lines) + "\n")
         acc = record.get("slot_acceptance") or []

@@ -184,7 +184,8 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     elif world.main:
         console.print(f"[cyan]▶[/] train: {total_steps} steps × {tc.global_batch} samples on "
                       f"{world.world_size} rank(s), {device}; writing {output_url}.")
-    storage.clean_temporaries(output_url) if world.main else None
+    if world.main:
+        storage.clean_temporaries(output_url)  # orphans of a killed local writer
     log = MetricsLog(output_url, start_step, enabled=world.main)
     flex = use_flex(device)
     started = time.time()
