@@ -284,6 +284,9 @@ def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force:
     if run.state == "done":
         return {"state": "done", "manifest": manifest.read_manifest(output_url)}
     say = (lambda *a: None) if quiet else console.print
+    if not storage.exists(storage.join(responses_url, manifest.MANIFEST_NAME)):
+        say(f"[yellow]warning:[/] {responses_url} has no manifest.json: is `dspark data regen` still "
+            "running? The cache covers only the rows present now.")
     rows = list(_read_rows(responses_url))
     per = cfg.cache.samples_per_shard
     num_shards = -(-len(rows) // per)
