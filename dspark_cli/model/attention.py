@@ -71,6 +71,10 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: ob
 
         if _flex_compiled is None:
             _flex_compiled = torch.compile(flex_attention, dynamic=True)
+        # flex is not an autocast op: give it one dtype (q/k norms return float32 under autocast).
+        dev = query.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else query.dtype
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         return _flex_compiled(query, key, value, block_mask=mask, enable_gqa=num_kv_groups > 1)
     if num_kv_groups > 1:
         key = key.repeat_interleave(num_kv_groups, dim=1)  # [B, H, K, D]

@@ -289,7 +289,10 @@ class DSparkDrafter(nn.Module):
                 p = F.one_hot(token, logits.shape[-1]).float()
             else:
                 p = torch.softmax(logits / temperature, dim=-1)
-                token = torch.multinomial(p, 1, generator=generator)[0]
+                if generator is not None and generator.device != p.device:  # e.g. a CPU generator
+                    token = torch.multinomial(p.to(generator.device), 1, generator=generator)[0].to(p.device)
+                else:
+                    token = torch.multinomial(p, 1, generator=generator)[0]
             tokens.append(token)
             probs.append(p)
             prev = token.view(1)

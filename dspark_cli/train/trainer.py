@@ -222,7 +222,7 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
         for k in ("loss", "ce", "tv", "conf_bce"):
             totals[k] = totals[k] / len(micro) / world.world_size
         packed = torch.cat([totals[k].reshape(-1) for k in sorted(totals)])
-        packed = world.all_sum(packed)
+        packed = world.all_sum(packed.to(device)).cpu()  # NCCL reduces CUDA tensors only
         offset = 0
         for k in sorted(totals):
             n = totals[k].numel()
