@@ -297,3 +297,23 @@ def test_sigkill_midrun_then_rerun_is_exactly_once(tmp_path, openai_server):
     assert sorted(e["id"] for e in errors) == ["bad0", "bad1", "bad2"]
     assert manifest.read_manifest(str(out))["counts"]["responses"] == 300
     assert not [p for p in out.rglob("*") if p.name.startswith(storage.TMP_PREFIX)]
+
+
+def test_progress_line_has_done_rates_errors_and_eta():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from dspark_cli.data.progress import RegenCounters, RegenProgress
+
+    buffer = StringIO()
+    counters = RegenCounters()
+    progress = RegenProgress(10, counters, enabled=True, console=Console(file=buffer, force_terminal=True,
+                                                                         width=200))
+    with progress:
+        counters.done, counters.requests, counters.completion_tokens, counters.errors = 4, 5, 50, 1
+        progress.update(force=True)
+    shown = buffer.getvalue()
+    assert "4/10" in shown and "req/s" in shown and "tok/s" in shown and "errors 1" in shown
+    status = progress.status()
+    assert status.startswith("4/10 done,") and "errors 1" in status and "ETA" in status

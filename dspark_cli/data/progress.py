@@ -5,9 +5,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ..console import console
+from ..console import console as default_console
+
+#: Seconds between plain status lines when stderr is not a terminal (logs of long runs).
+LOG_EVERY = 60.0
 
 
 @dataclass
@@ -34,9 +38,13 @@ class RegenCounters:
 
 
 class RegenProgress:
-    """A rich progress bar when stderr is a terminal, silent otherwise (the command prints a summary)."""
+    """A rich progress bar when stderr is a terminal; otherwise one status line a minute."""
 
-    def __init__(self, total: int, counters: RegenCounters, enabled: bool | None = None) -> None:
+    def __init__(self, total: int, counters: RegenCounters, enabled: bool | None = None,
+                 console: Console | None = None) -> None:
+        console = console or default_console
+        self.console = console
+        self.total = total
         self.counters = counters
         self.enabled = console.is_terminal if enabled is None else enabled
         self._progress = Progress(
@@ -46,6 +54,7 @@ class RegenProgress:
         )
         self._task = self._progress.add_task("regen", total=total, rates="")
         self._last = 0.0
+        self._last_log = time.monotonic()
 
     def __enter__(self) -> RegenProgress:
         self._progress.start()
@@ -55,9 +64,23 @@ class RegenProgress:
         self.update(force=True)
         self._progress.stop()
 
+    def status(self) -> str:
+        """'done/total, req/s, tok/s, errors, rejected, ETA' as one line."""
+        c = self.counters
+        req_s, tok_s = c.rates()
+        left = self.total - c.done
+        eta = f"{left / (c.done / c.elapsed):.0f} s" if c.done else "?"
+        return (f"{c.done}/{self.total} done, {req_s:.1f} req/s, {tok_s:.1f} output tok/s, "
+                f"errors {c.errors}, rejected {c.rejected}, ETA {eta}")
+
     def update(self, force: bool = False) -> None:
         now = time.monotonic()
-        if not self.enabled or (not force and now - self._last < 0.25):
+        if not self.enabled:
+            if now - self._last_log >= LOG_EVERY:
+                self._last_log = now
+                self.console.print(f"regen: {self.status()}", highlight=False)
+            return
+        if not force and now - self._last < 0.25:
             return
         self._last = now
         c = self.counters

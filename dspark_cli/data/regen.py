@@ -390,16 +390,29 @@ def _first_leaf(group: BaseExceptionGroup) -> BaseException:
     return error
 
 
-#: Workers sharing one client (one connection pool). httpcore scans every pooled connection on
-#: each request and each response close, so one pool of 64 costs ~25 % of the client's CPU.
-WORKERS_PER_CLIENT = 16
+#: Workers sharing one client. With the httpx transport, httpcore scans every pooled connection
+#: on each request and response close, so one pool of 64 costs ~25 % of the client's CPU.
+WORKERS_PER_CLIENT = {"aiohttp": 64, "httpx": 16}
+
+
+def make_client(endpoint: str, key: str, timeout: float) -> tuple[openai.AsyncOpenAI, str]:
+    """An SDK client on the aiohttp transport (the SDK's documented choice for high concurrency:
+    measured 0.9-1.1 vs 1.5-1.8 ms CPU per request), or on httpx when aiohttp is missing."""
+    try:
+        http_client, transport = openai.DefaultAioHttpClient(timeout=timeout), "aiohttp"
+    except RuntimeError:
+        http_client, transport = None, "httpx"
+    client = openai.AsyncOpenAI(base_url=endpoint, api_key=key, max_retries=0, timeout=timeout,
+                                http_client=http_client)
+    return client, transport
 
 
 async def _run(job: _Job, s: RegenSettings, key: str) -> None:
-    n_clients = -(-s.concurrency // WORKERS_PER_CLIENT)  # ceil
-    clients = {ep: [openai.AsyncOpenAI(base_url=ep, api_key=key, max_retries=0, timeout=s.request_timeout)
-                    for _ in range(n_clients)]
-               for ep in dict.fromkeys(s.endpoints)}
+    clients: dict[str, list[openai.AsyncOpenAI]] = {}
+    for ep in dict.fromkeys(s.endpoints):
+        first, transport = make_client(ep, key, s.request_timeout)
+        n_clients = -(-s.concurrency // WORKERS_PER_CLIENT[transport])  # ceil
+        clients[ep] = [first, *(make_client(ep, key, s.request_timeout)[0] for _ in range(n_clients - 1))]
     try:
         endpoints = await probe({ep: pool[0] for ep, pool in clients.items()}, s.model)
         await job.run(endpoints, clients)
