@@ -164,7 +164,6 @@ class _Job:
         self.ok: list[dict[str, Any]] = []
         self.rejected: list[dict[str, Any]] = []
         self.errors: list[dict[str, Any]] = []
-        self.rejected_reasons: dict[str, int] = {}
 
     async def run(self, endpoints: list[str], clients: dict[str, list[openai.AsyncOpenAI]]) -> None:
         workers = len(endpoints) * self.s.concurrency
