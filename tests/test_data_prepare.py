@@ -183,12 +183,16 @@ def test_no_usable_row_is_one_error_and_leaves_nothing(tmp_path):
 @pytest.mark.parametrize("where", ["memory", "s3"])
 def test_object_store_output(tmp_path, where, request):
     root = request.getfixturevalue("memory_url" if where == "memory" else "s3_bucket")
-    src = _many(tmp_path, 30)
+    lines = _many(tmp_path, 30).read_text().splitlines(keepends=True)
+    storage.write_text(storage.join(root, "in", "a.jsonl"), "".join(lines[:20]))
+    storage.write_text(storage.join(root, "in", "b.jsonl"), "".join(lines[20:]))
+    source = storage.join(root, "in", "*.jsonl")  # inputs on the object store too
     out = storage.join(root, "prompts")
-    result = prepare(_cfg(tmp_path, str(src), "data.shard_rows=8"), out)
+    result = prepare(_cfg(tmp_path, source, "data.shard_rows=8"), out)
     rows = _validate_artifact(out)
     assert len(rows) == 30 == result.counts["rows"] and result.counts["shards"] == 4
-    assert prepare(_cfg(tmp_path, str(src), "data.shard_rows=8"), out).state == "done"
+    assert len(manifest.read_manifest(out)["inputs"]) == 2
+    assert prepare(_cfg(tmp_path, source, "data.shard_rows=8"), out).state == "done"
 
 
 def _cli(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
