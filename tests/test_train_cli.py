@@ -12,6 +12,7 @@ from fixtures.tiny_models import mask_token_id
 from dspark_cli.cache.build import build_cache
 from dspark_cli.cli import main
 from dspark_cli.config import load_config
+from dspark_cli.manifest import read_manifest
 from dspark_cli.model.export import load_drafter
 from dspark_cli.train.checkpoint import committed_steps
 
@@ -48,6 +49,8 @@ def test_train_from_cache_then_reload(cache, tiny_qwen3_target, tmp_path, capsys
     assert result["steps"] == 3 and result["export"].endswith("/export")
     assert committed_steps(out) == [2, 3]
     # The target recorded in the cache is used: no --target needed, and the export reloads.
+    validation = read_manifest(out)["extra"]["validation"]  # the cache's held-out split is scored
+    assert validation["samples"] >= 1 and 1.0 <= validation["accepted_length"] <= 4.0
     drafter = load_drafter(out)
     assert drafter.config.target_model == str(tiny_qwen3_target)
     assert drafter.block_size == 3 and torch.isfinite(drafter.fc.weight).all()

@@ -53,8 +53,9 @@ def samples(tiny_qwen3_target):
 def test_train_writes_the_contract_5_layout_on_memory(tiny_qwen3_target, samples, memory_url):
     cfg = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=4", "train.micro_batch=2"))
     out = storage.join(memory_url, "train")
-    manifest = train(cfg, "features://tiny", out, dataset=samples)
+    manifest = train(cfg, "features://tiny", out, dataset=samples, validation=samples[:3])
     assert manifest["stage"] == "train" and manifest["counts"]["steps"] == 4
+    assert manifest["extra"]["validation"]["samples"] == 3
     assert committed_steps(out) == [2, 4]  # keep_last = 2
     assert storage.read_text(storage.join(out, "checkpoints", "latest")).strip() == "step-00000004"
     assert storage.exists(storage.join(out, "export", "config.json"))

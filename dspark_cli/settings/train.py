@@ -40,6 +40,8 @@ class TrainSettings(Section):
     precision: str = "auto"
     #: auto (cuda when present, else cpu), cpu, cuda, cuda:N. Under torchrun each rank takes its local GPU.
     device: str = "auto"
+    #: Samples of the cache's validation split scored at the end of training (0: skip).
+    eval_samples: int = 64
     #: Weight dtype of the exported serving folder.
     export_dtype: str = "bfloat16"
     #: Also write the frozen embedding and lm_head into the export (engines usually share the target's).
@@ -70,6 +72,8 @@ class TrainSettings(Section):
             self.fail("loss_chunk_blocks", f"must be >= 0 (0: no chunking), got {self.loss_chunk_blocks}.")
         if self.save_every <= 0 or self.log_every <= 0:
             self.fail("save_every", "and train.log_every must be > 0.")
+        if self.eval_samples < 0:
+            self.fail("eval_samples", f"must be >= 0, got {self.eval_samples}.")
         if self.keep_last <= 0:
             self.fail("keep_last", f"must be > 0, got {self.keep_last}.")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -36,6 +36,7 @@ from . import checkpoint as ckpt
 from .data import StepPlan, load_batch
 from .loss import DrafterLoss, LossWeights, summarize
 from .metrics import MetricsLog
+from .validate import evaluate
 
 STAGE = "train"
 
@@ -100,10 +101,10 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float) -> Callab
     return factor
 
 
-def open_dataset(cfg: PipelineConfig, cache_url: str) -> Sequence[dict]:
+def open_dataset(cfg: PipelineConfig, cache_url: str, split: str = "train") -> Sequence[dict]:
     from ..cache.reader import CacheDataset
 
-    return CacheDataset(cache_url, expect_layers=cfg.target.layers or None, split="train")
+    return CacheDataset(cache_url, expect_layers=cfg.target.layers or None, split=split)
 
 
 def drafter_config_for(cfg: PipelineConfig, meta: dict[str, Any]) -> DrafterConfig:
@@ -128,12 +129,13 @@ def drafter_config_for(cfg: PipelineConfig, meta: dict[str, Any]) -> DrafterConf
 
 
 def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = False,
-          dataset: Sequence[dict] | None = None,
+          dataset: Sequence[dict] | None = None, validation: Sequence[dict] | None = None,
           on_step_end: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any] | None:
     """Train (or resume) a drafter from a cache; returns the stage manifest (None off rank 0).
 
-    `dataset` replaces the cache reader (any sequence of contract-3 sample dicts);
-    `on_step_end(step, record)` is called after every optimizer step (monitoring, tests).
+    `dataset` / `validation` replace the cache reader's train / validation splits (any sequences
+    of contract-3 sample dicts); `on_step_end(step, record)` is called after every optimizer step
+    (monitoring, tests).
     """
     tc = cfg.train
     device_type = resolve_device(tc.device, 0).type
@@ -249,6 +251,16 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     log.close()
 
     manifest = None
+    held_out = None
+    if world.main and tc.eval_samples > 0:
+        if validation is None and not supplied:
+            validation = open_dataset(cfg, cache_url, split="validation")
+        if validation is not None and len(validation) > 0:
+            held_out = evaluate(module.module if world.world_size > 1 else module, validation, dcfg,
+                                num_anchors=tc.num_anchors, seed=tc.seed, micro_batch=tc.micro_batch,
+                                limit=tc.eval_samples, device=device, flex=flex)
+            console.print(f"validation ({held_out['samples']} samples): loss {held_out['loss']:.4f}  "
+                          f"τ {held_out['accepted_length']:.2f}  acceptance {held_out['slot_acceptance']}")
     if world.main:
         export_url = storage.join(output_url, "export")
         export_drafter(drafter, export_url, include_embeddings=tc.export_include_embeddings,
@@ -258,7 +270,7 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
             counts={"steps": total_steps, "samples_seen": total_steps * tc.global_batch,
                     "train_samples": len(dataset)},
             extra={"drafter_config": dcfg.to_dict(), "export": export_url, "checkpoint": final,
-                   "world_size": world.world_size, "final_metrics": record},
+                   "world_size": world.world_size, "final_metrics": record, "validation": held_out},
         )
         console.print(f"[green]✓[/] train: exported {export_url}")
     world.barrier()
