@@ -160,3 +160,29 @@ def test_bf16_autocast_is_close_to_fp32(setup):
             half, _ = module(batch, dense_mask(batch.layout))
     assert half.dtype == torch.float32 and torch.isfinite(half)
     assert abs(float(half) - float(full)) < 0.05 * abs(float(full))
+
+
+def test_fill_in_trains_on_the_slots_after_the_anchor(tiny_qwen3_target, setup):
+    _, anchor_first_batch = setup
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(drafter_config(tiny_qwen3_target, block_convention="fill_in",
+                                           markov_head_type="none", enable_confidence_head=False))
+    attach_frozen(drafter, str(tiny_qwen3_target))
+    samples = make_samples(tiny_qwen3_target, n=1)
+    anchors = [sample_anchors(samples[0]["loss_mask"], 5, anchor_generator(0, 0, 0))]
+    batch = pack(samples, anchors, drafter.config)
+    gamma = drafter.block_size
+    assert batch.block_input_ids.shape[1] == gamma + 1
+    assert (batch.block_input_ids[:, 1:] == drafter.config.mask_token_id).all()
+    assert torch.equal(batch.labels, block_targets(samples[0]["input_ids"], samples[0]["loss_mask"],
+                                                   anchors[0], gamma)[0])
+    loss, stats = DrafterLoss(drafter, LossWeights(1.0, 0.0, 0.0))(batch, dense_mask(batch.layout))
+    # Reference: slots 1..γ of the full block output, CE against anchor + k.
+    hidden = drafter.backbone(batch.block_input_ids.reshape(1, -1), batch.block_position_ids.reshape(1, -1),
+                              drafter.context_kv(drafter.fuse_context(batch.context_hidden).unsqueeze(0),
+                                                 batch.context_position_ids.unsqueeze(0)),
+                              dense_mask(batch.layout)).view(batch.num_blocks, gamma + 1, -1)[:, 1:]
+    ce = torch.nn.functional.cross_entropy(drafter.lm_head(hidden).flatten(0, 1), batch.labels.flatten(),
+                                           reduction="none").view(-1, gamma)
+    w = torch.exp(-torch.arange(gamma) / 4.0) * batch.valid
+    assert torch.allclose(loss, (w * ce).sum() / w.sum(), atol=1e-5)
