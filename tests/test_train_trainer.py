@@ -132,3 +132,16 @@ def test_two_rank_ddp_matches_one_process(tiny_qwen3_target, tmp_path):
     for k in wa:
         assert torch.allclose(wa[k], wb[k], atol=1e-5), k
     assert read_manifest(str(tmp_path / "two"))["extra"]["world_size"] == 2
+
+
+def test_checkpoints_rotation_and_export_on_s3(tiny_qwen3_target, samples, s3_bucket):
+    from dspark_cli.model.export import load_drafter
+
+    cfg = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=3", "train.save_every=1",
+                                     "train.keep_last=1", "train.eval_samples=0"))
+    out = storage.join(s3_bucket, "runs", "train")
+    train(cfg, "features://tiny", out, dataset=samples)
+    assert committed_steps(out) == [3]
+    assert storage.listdir(storage.join(out, "checkpoints")) == ["latest", "step-00000003"]
+    assert load_drafter(out).block_size == 4  # export/ read back from S3
+    assert len(metrics(out)) == 3
