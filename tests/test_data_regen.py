@@ -317,3 +317,25 @@ def test_progress_line_has_done_rates_errors_and_eta():
     assert "4/10" in shown and "req/s" in shown and "tok/s" in shown and "errors 1" in shown
     status = progress.status()
     assert status.startswith("4/10 done,") and "errors 1" in status and "ETA" in status
+
+
+def test_store_views_hide_resolved_errors_and_never_reuse_a_batch_index(memory_url):
+    store = ResponseStore(memory_url)
+    base = {"source": "s", "split": "train"}
+    err = {**base, "kind": "server_error", "status_code": 500, "message": "boom", "endpoint": "e",
+           "turn": 0, "attempts": 3}
+    ok = {**base, "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+          "reasoning": [None], "thinking": False, "model": "m", "endpoint": "e", "sampling": "{}",
+          "finish_reasons": ["stop"], "prompt_tokens": 1, "completion_tokens": 1}
+    store.write_batch(0, [{**ok, "id": "a"}], [], [{**err, "id": "x"}, {**err, "id": "y"}])
+    store.write_batch(2, [], [], [{**err, "id": "y", "attempts": 9}])  # y failed again, later
+    state = store.scan()
+    assert (state.ok, state.errors, state.next_index) == ({"a"}, {"x", "y"}, 3)
+    store.write_batch(3, [{**ok, "id": "x"}], [], [])  # x retried with success
+    # a reader between that commit and compaction already sees x resolved, y's latest record only
+    assert [(e["id"], e["attempts"]) for e in store.error_view()] == [("y", 9)]
+    assert store.scan().errors == {"y"} and store.scan().settled == {"a", "x", "y"}
+    assert store.compact() == (1, 0)
+    assert io.list_shards(storage.join(memory_url, "errors")) == [storage.join(memory_url, "errors",
+                                                                               "part-00002.parquet")]
+    assert store.scan().next_index == 4
