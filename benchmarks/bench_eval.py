@@ -91,11 +91,54 @@ def bench_decode(target: str, drafter: str, dataset: str, limit: int, max_new: i
     return rows
 
 
+def self_distilled_drafter(target: str, out: str, prompts: int, steps: int, dtype: str) -> str:
+    """No demo drafter yet: the target answers `prompts` bundled prompts itself (as regen would),
+    `capture_layers` gives their features exactly as the cache stores them, the real trainer fits a
+    1-layer drafter for `steps` steps. A quick stand-in for `make demo`, not a quality result."""
+    from dspark_cli.cache.target import capture_layers, load_target
+    from dspark_cli.decode.prompts import load_conversations
+    from dspark_cli.decode.specdec import render_prompt, target_only
+    from dspark_cli.train.trainer import train
+
+    layers, mask_id = [1, 8, 14, 20, 27], 16  # as pipelines/smollm2-135m.toml
+    model, tokenizer = load_target(target, dtype=dtype, device="cpu")
+    convs = load_conversations("dspark_cli/resources/demo_prompts.jsonl", limit=prompts)
+    convs = [c.__class__(c.id, c.turns[:1], c.system) for c in convs]
+    t0 = time.perf_counter()
+    answers = target_only(model, tokenizer, convs, temperature=0.7, max_new_tokens=96, thinking=False).answers
+    samples = []
+    for conv in convs:
+        messages = [{"role": "user", "content": conv.turns[0]}]
+        prompt = render_prompt(tokenizer, messages, thinking=False)
+        answer = tokenizer(answers[conv.id][0], add_special_tokens=False)["input_ids"]
+        ids = prompt + answer + [tokenizer.eos_token_id]
+        hidden, final = capture_layers(model, ids, layers)
+        mask = torch.tensor([0] * len(prompt) + [1] * (len(answer) + 1), dtype=torch.bool)
+        samples.append({"sample_id": conv.id, "input_ids": torch.tensor(ids), "loss_mask": mask,
+                        "hidden_states": hidden.to(torch.bfloat16),
+                        "final_hidden": (final * mask[:, None]).to(torch.bfloat16)})
+    print(f"\n(self-distilled {len(samples)} answers in {time.perf_counter() - t0:.0f} s)")
+    cfg = load_config(None, [
+        f"target.model='{target}'", f"target.layers={layers}", f"target.mask_token_id={mask_id}",
+        f"target.dtype='{dtype}'", "target.device='cpu'", "model.num_draft_layers=1", "model.block_size=7",
+        "model.markov_rank=64", f"train.max_steps={steps}", "train.global_batch=4", "train.micro_batch=2",
+        "train.num_anchors=24", "train.lr=1e-3", "train.device='cpu'", "train.save_every=100000",
+        "train.log_every=20"])
+    url = f"{out}/self-distilled-train"
+    t0 = time.perf_counter()
+    train(cfg, f"{out}/no-cache", url, dataset=samples)
+    print(f"(trained {steps} steps in {time.perf_counter() - t0:.0f} s)")
+    return url
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="runs/models/smollm2-135m-instruct")
     ap.add_argument("--drafter", default=None,
                     help="Train artifact / export folder; decoding is skipped when absent.")
+    ap.add_argument("--self-distill", type=int, default=0, metavar="N",
+                    help="Without --drafter: train a stand-in drafter on N self-distilled answers.")
+    ap.add_argument("--train-steps", type=int, default=60)
     ap.add_argument("--dataset", default="/work/shared/eval_datasets/gsm8k.jsonl")
     ap.add_argument("--limit", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -108,8 +151,12 @@ def main() -> None:
     results = {"audit": bench_audit(args.audit_samples), "sts": bench_sts()}
     if storage.exists(args.target):
         results["sps"] = bench_sps(args.target, args.out, args.dtype)
-        if args.drafter and storage.exists(args.drafter):
-            results["decode"] = bench_decode(args.target, args.drafter, args.dataset, args.limit,
+        drafter = args.drafter if args.drafter and storage.exists(args.drafter) else None
+        if drafter is None and args.self_distill:
+            drafter = self_distilled_drafter(args.target, args.out, args.self_distill, args.train_steps,
+                                             args.dtype)
+        if drafter:
+            results["decode"] = bench_decode(args.target, drafter, args.dataset, args.limit,
                                              args.max_new_tokens, f"{results['sps']['url']}/sps.json",
                                              args.out, args.dtype)
     else:

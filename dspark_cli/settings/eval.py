@@ -40,8 +40,6 @@ class EvalSettings(Section):
     #: Split of a prompt/response artifact dataset (None: all rows).
     split: str | None = None
     seed: int = 0
-    #: Decoding steps per policy in `dspark eval audit`.
-    audit_samples: int = 4000
 
     def validate(self) -> None:
         if self.max_new_tokens <= 0:
@@ -60,5 +58,3 @@ class EvalSettings(Section):
             self.fail("sweep_thresholds", "must all be in [0, 1].")
         if self.split not in (None, "train", "validation"):
             self.fail("split", f"must be train or validation, got {self.split!r}.")
-        if self.audit_samples < 100:
-            self.fail("audit_samples", f"must be >= 100, got {self.audit_samples}.")
