@@ -243,3 +243,22 @@ def test_kill9_midway_then_rerun_gives_the_same_artifact(tmp_path):
     assert list(io.read_rows(str(out))) == list(io.read_rows(str(tmp_path / "ref")))
     assert manifest.read_manifest(str(out))["counts"]["rows"] == ref.counts["rows"] == 3000
     assert not [p for p in out.rglob("*") if p.name.startswith(storage.TMP_PREFIX)]
+
+
+def test_hub_reader_streams_a_datasets_repo(tmp_path):
+    """The hub path (datasets.load_dataset, streaming) on a local dataset folder, as it would read
+    mlabonne/open-perfectblend (ShareGPT rows with a `source` column)."""
+    from dspark_cli.data import sources
+    from dspark_cli.data.formats import normalise
+
+    repo = tmp_path / "blend"
+    (repo / "data").mkdir(parents=True)
+    rows = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}],
+             "source": "gsm8k"} for i in range(5)]
+    pq.write_table(pa.Table.from_pylist(rows), repo / "data" / "train-00000-of-00001.parquet")
+    raw = list(sources.read_hub(str(repo), "train"))
+    assert [r.index for r in raw] == [0, 1, 2, 3, 4] and raw[0].input == f"hf://{repo}[train]"
+    conv = normalise(raw[3].row)
+    assert conv.messages == [{"role": "user", "content": "q3"}] and conv.source == "gsm8k"
+    with pytest.raises(DsparkError, match="could not load Hugging Face dataset"):
+        sources.read_hub(str(repo), "no-such-split")
