@@ -213,3 +213,34 @@ def test_profile_cli_writes_sps_table(tiny_qwen3_target, tmp_path, capsys):
     assert _cli("profile", "--target", str(tiny_qwen3_target), "--batch-tokens", "1,x",
                 "-o", str(tmp_path / "p2")) == 2
     assert "--batch-tokens" in capsys.readouterr().err
+
+
+def test_dflash_baseline_drafter_decodes_losslessly_and_calibrate_skips(models, tiny_qwen3_target, tmp_path):
+    """fill_in convention, no Markov head, no confidence head: fixed schedule only, nothing to calibrate."""
+    from dspark_cli.model.config import DrafterConfig
+    from dspark_cli.model.drafter import DSparkDrafter
+    from dspark_cli.model.export import export_drafter
+    from dspark_cli.model.frozen import attach_frozen
+
+    model, tokenizer, trained = models
+    settings = {"num_draft_layers": 1, "block_size": 3, "block_convention": "fill_in",
+                "markov_head_type": "none", "enable_confidence_head": False}
+    config = DrafterConfig.from_dict({**trained.config.to_dict(), **settings})
+    torch.manual_seed(0)
+    dflash = DSparkDrafter(config)
+    attach_frozen(dflash, str(tiny_qwen3_target))
+    export = str(tmp_path / "dflash-export")
+    export_drafter(dflash, export, dtype="float32")
+    drafter = load_drafter(export, target=str(tiny_qwen3_target))
+    base = target_only(model, tokenizer, CONVS[:2], temperature=0.0, max_new_tokens=12, thinking=False)
+    spec = SpeculativeDecoder(model, tokenizer, drafter, Scheduler("fixed", 3), temperature=0.0,
+                              max_new_tokens=12).run(CONVS[:2])
+    assert spec.answers == base.answers and all(r.confidences is None for r in spec.rounds)
+    with pytest.raises(DsparkError, match="confidence head"):
+        SpeculativeDecoder(model, tokenizer, drafter, Scheduler("algorithm1", 3), temperature=0.0,
+                           max_new_tokens=12).run(CONVS[:1])
+    held = _jsonl(tmp_path / "held.jsonl", [["Hello!"]])
+    cfg = _cfg(tiny_qwen3_target, tmp_path, "calibrate.num_prompts=1")
+    assert run_calibrate(cfg, str(tiny_qwen3_target), export, held, str(tmp_path / "cal")) == {
+        "skipped": "no confidence head"}
+    assert manifest.read_manifest(str(tmp_path / "cal"))["extra"]["skipped"] == "no confidence head"

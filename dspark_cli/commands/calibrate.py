@@ -47,7 +47,12 @@ def calibrate_cmd(
         from .. import storage
 
         console.print(f"[green]✓[/] calibrate: {output} is complete; nothing to do (use --force to rerun).")
+        if not storage.exists(storage.join(output, "calibration.json")):
+            return
         result = storage.read_json(storage.join(output, "calibration.json"))
+    if "skipped" in result:
+        out.print(f"calibrate: skipped ({result['skipped']}) → {output}")
+        return
     temps = ", ".join(f"{t:.3f}" for t in result["temperatures"])
     out.print(f"temperatures: [{temps}]  ECE {result['ece_before']:.4f} → {result['ece_after']:.4f} "
               f"({result['num_samples']} rounds) → {output}/calibration.json")

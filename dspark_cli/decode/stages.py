@@ -138,8 +138,12 @@ def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_ur
     split = None if dataset_url.endswith((".jsonl", ".json")) else cal.split
     convs = load_conversations(dataset_url, cal.num_prompts, split)
     model, tokenizer, drafter = load_models(cfg, target, drafter_url)
-    if drafter.config.enable_confidence_head is False:
-        raise DsparkError(f"{drafter_url}: this drafter has no confidence head; nothing to calibrate.")
+    if not drafter.config.enable_confidence_head:
+        # A DFlash baseline has nothing to calibrate; finishing (rather than failing) keeps a
+        # whole-pipeline run going, and eval then uses the fixed schedule without calibration.
+        console.print(f"[yellow]![/] calibrate: {drafter_url} has no confidence head; nothing to calibrate.")
+        run.finish({"rounds": 0, "conversations": 0}, extra={"skipped": "no confidence head"})
+        return {"skipped": "no confidence head"}
     console.print(f"  decoding {len(convs)} held-out conversations, γ={drafter.block_size} all verified")
     decoder = SpeculativeDecoder(model, tokenizer, drafter, Scheduler("fixed", drafter.block_size),
                                  temperature=cal.temperature, max_new_tokens=cal.max_new_tokens,
