@@ -354,8 +354,10 @@ def regen(cfg: PipelineConfig, input_url: str | None = None, output_url: str | N
         pending |= state.errors
     counters = RegenCounters()
     if pending:
-        console.print(f"regen: {len(pending)} of {len(set(ids))} prompts to do "
-                      f"({len(state.settled)} already settled) over {len(s.endpoints)} endpoint(s).")
+        retried = f", {len(state.errors)} of them recorded errors to retry" if retry_errors else ""
+        settled = len(state.settled - pending)
+        console.print(f"regen: {len(pending)} of {len(set(ids))} prompts to do ({settled} already "
+                      f"settled{retried}) over {len(s.endpoints)} endpoint(s).")
         progress = RegenProgress(len(pending), counters, enabled=show_progress)
         job = _Job(s, input_url, store, pending, state.next_index, counters, progress)
         with progress:
@@ -379,7 +381,7 @@ def regen(cfg: PipelineConfig, input_url: str | None = None, output_url: str | N
     run.finish(totals, extra=extra, timings={"regen_seconds": round(counters.elapsed, 3),
                                              "requests_per_second": round(req_s, 3),
                                              "output_tokens_per_second": round(tok_s, 3)})
-    return RegenResult(output_url, run.state, totals)
+    return RegenResult(output_url, "resume" if run.state == "done" else run.state, totals)
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:
