@@ -82,11 +82,11 @@ def test_train_writes_the_contract_5_layout_on_memory(tiny_qwen3_target, samples
 
 
 def test_training_lowers_the_loss(tiny_qwen3_target, samples, tmp_path):
-    cfg = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=12", "train.lr=3e-3",
-                                     "train.save_every=100"))
+    cfg = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=8", "train.lr=3e-3",
+                                     "train.global_batch=2", "train.save_every=100", "train.eval_samples=0"))
     train(cfg, "features://tiny", str(tmp_path), dataset=samples)
     rows = metrics(str(tmp_path))
-    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert rows[-1]["loss"] < 0.9 * rows[0]["loss"]
 
 
 def test_sigkill_after_a_checkpoint_then_resume_gives_the_same_losses(tiny_qwen3_target, tmp_path):
