@@ -244,3 +244,18 @@ def test_dflash_baseline_drafter_decodes_losslessly_and_calibrate_skips(models, 
     assert run_calibrate(cfg, str(tiny_qwen3_target), export, held, str(tmp_path / "cal")) == {
         "skipped": "no confidence head"}
     assert manifest.read_manifest(str(tmp_path / "cal"))["extra"]["skipped"] == "no confidence head"
+
+
+def test_bad_inputs_fail_in_one_line_before_claiming_the_output(trained, tiny_qwen3_target, tmp_path):
+    out_dir, train_url = trained
+    output = tmp_path / "eval"
+    cfg = _cfg(tiny_qwen3_target, out_dir, f"eval.datasets=['{tmp_path}/missing.jsonl']")
+    with pytest.raises(DsparkError, match="missing.jsonl: file not found"):
+        run_eval(cfg, str(tiny_qwen3_target), train_url, str(output))
+    data = _jsonl(tmp_path / "ok.jsonl", [["Hello!"]])
+    cfg = _cfg(tiny_qwen3_target, out_dir, f"eval.datasets=['{data}']", f"eval.sps='{tmp_path}/no-sps.json'")
+    with pytest.raises(DsparkError, match="no-sps.json"):
+        run_eval(cfg, str(tiny_qwen3_target), train_url, str(output))
+    with pytest.raises(DsparkError, match="no target"):
+        run_eval(_cfg(tiny_qwen3_target, out_dir, f"eval.datasets=['{data}']"), "", train_url, str(output))
+    assert not output.exists()  # nothing claimed: fixing the typo needs no --force

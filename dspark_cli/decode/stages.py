@@ -28,6 +28,8 @@ from .sps import SpsTable, default_batch_grid, profile_target
 
 def _target_fingerprint(path: str) -> str:
     """A target is identified by its config (hashing GBs of weights on every run would be slow)."""
+    if not path:
+        raise DsparkError("no target model given.", hint="pass --target PATH_OR_HUB_ID or set target.model.")
     config = storage.join(path, "config.json")
     if storage.exists(config):
         return "config:" + storage.sha256_bytes(storage.read_bytes(config))
@@ -43,6 +45,13 @@ def load_models(cfg: PipelineConfig, target: str, drafter_url: str) -> tuple[Any
                                    revision=cfg.target.revision)
     drafter = load_drafter(drafter_url, target=target, device=resolve_device(cfg.target.device))
     return model, tokenizer, drafter
+
+
+def drafter_block_size(drafter_url: str) -> int:
+    """γ of a drafter from its config alone (fails early, with the model loaders' message)."""
+    from ..model.export import read_config, resolve_drafter_url
+
+    return int(read_config(resolve_drafter_url(drafter_url)).block_size)
 
 
 def load_calibration(url: str, gamma: int | None = None) -> list[float]:
@@ -63,6 +72,11 @@ def run_eval(cfg: PipelineConfig, target: str, drafter_url: str, output_url: str
     ev = cfg.eval
     if not ev.datasets:
         raise DsparkError("no eval dataset given.", hint="pass --dataset FILE.jsonl (repeatable).")
+    # Every input is read and checked before the output is claimed, so a typo costs no --force.
+    conversations = {url: load_conversations(url, ev.limit, ev.split) for url in ev.datasets}
+    gamma = drafter_block_size(drafter_url)
+    sps = SpsTable.load(ev.sps) if ev.sps else None
+    temps = load_calibration(ev.calibration, gamma) if ev.calibration else None
     inputs = {u: manifest.fingerprint(u) for u in [drafter_url, *ev.datasets]}
     inputs[target] = _target_fingerprint(target)
     for extra in (ev.sps, ev.calibration):
@@ -73,9 +87,7 @@ def run_eval(cfg: PipelineConfig, target: str, drafter_url: str, output_url: str
     if run.state == "done":
         return None
     storage.clean_temporaries(output_url)
-    sps = SpsTable.load(ev.sps) if ev.sps else None
     model, tokenizer, drafter = load_models(cfg, target, drafter_url)
-    temps = load_calibration(ev.calibration, drafter.block_size) if ev.calibration else None
     datasets = []
     for url in ev.datasets:
         name = dataset_name(url)
@@ -84,7 +96,7 @@ def run_eval(cfg: PipelineConfig, target: str, drafter_url: str, output_url: str
             console.print(f"  {name}: already decoded, reusing {part}")
             datasets.append(storage.read_json(part))
             continue
-        convs = load_conversations(url, ev.limit, ev.split)
+        convs = conversations[url]
         console.print(f"  {name}: {len(convs)} conversations, schedule {ev.schedule}, R={ev.concurrency}")
 
         def decode(concurrency: int, convs=convs) -> Any:
@@ -129,14 +141,15 @@ def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_ur
                   force: bool = False) -> dict[str, Any] | None:
     """Decode held-out prompts with full verification, fit STS, write calibration.json + plot."""
     cal = cfg.calibrate
+    split = None if dataset_url.endswith((".jsonl", ".json")) else cal.split
+    convs = load_conversations(dataset_url, cal.num_prompts, split)
+    drafter_block_size(drafter_url)
     inputs = {drafter_url: manifest.fingerprint(drafter_url), dataset_url: manifest.fingerprint(dataset_url),
               target: _target_fingerprint(target)}
     config = {"calibrate": cal.to_dict(), "target": {"dtype": cfg.target.dtype}}
     run = manifest.prepare_stage("calibrate", output_url, config, inputs, force)
     if run.state == "done":
         return None
-    split = None if dataset_url.endswith((".jsonl", ".json")) else cal.split
-    convs = load_conversations(dataset_url, cal.num_prompts, split)
     model, tokenizer, drafter = load_models(cfg, target, drafter_url)
     if not drafter.config.enable_confidence_head:
         # A DFlash baseline has nothing to calibrate; finishing (rather than failing) keeps a
