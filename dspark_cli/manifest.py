@@ -111,15 +111,16 @@ def prepare_stage(stage: str, output_url: str, config: dict[str, Any], inputs: d
     run_url = storage.join(output_url, RUN_NAME)
     previous = storage.read_json(run_url) if storage.exists(run_url) else None
     if previous is not None and not force:
-        differing = _diff_keys({"config": previous.get("config"), "inputs": previous.get("inputs")},
-                               {"config": config, "inputs": inputs})
+        differing = [f"config key {k}" for k in _diff_keys(previous.get("config"), config)]
+        old_inputs, new_inputs = previous.get("inputs") or {}, inputs
+        differing += [f"input {url}" for url in sorted(set(old_inputs) | set(new_inputs))
+                      if old_inputs.get(url) != new_inputs.get(url)]
         if previous.get("stage") != stage:
-            differing.insert(0, "stage")
+            differing.insert(0, f"stage ({previous.get('stage')})")
         if differing:
-            shown = ", ".join(differing[:6]) + (" …" if len(differing) > 6 else "")
+            shown = ", ".join(differing[:4]) + (f" and {len(differing) - 4} more" if len(differing) > 4 else "")
             raise StageConflictError(
-                f"{output_url}: already holds a '{previous.get('stage')}' run with a different "
-                f"{shown}.",
+                f"{output_url}: holds a '{previous.get('stage')}' run made with another {shown}.",
                 hint="rerun with --force to replace it, or choose another output URL.",
             )
     if force and previous is not None:

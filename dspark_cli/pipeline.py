@@ -72,7 +72,7 @@ def serving_target(cfg: PipelineConfig, startup_timeout: float = 300.0) -> Itera
     port = _free_port()
     name = _served_name(cfg)
     cmd = _dspark("serve", cfg.target.model, "--host", "127.0.0.1", "--port", str(port),
-                  "--served-model-name", name)
+                  "--served-model-name", name, "--dtype", cfg.target.dtype)
     if cfg.target.trust_remote_code:
         cmd.append("--trust-remote-code")
     console.print(f"[cyan]▶[/] pipeline: starting `dspark serve {cfg.target.model}` on 127.0.0.1:{port}")
