@@ -9,8 +9,9 @@ Per draft slot k (0-based) with weight w_k = exp(−k/γ_decay) over prefix-supe
     loss = (ce_w·ΣwCE + tv_w·ΣwTV + conf_w·ΣwBCE) / Σw
 
 The vocabulary-wide tensors ([blocks, γ, V]) exist for one chunk of `chunk_blocks` blocks at a
-time: each chunk runs under activation checkpointing, so backward recomputes it instead of
-keeping every chunk's softmax alive. chunk_blocks = 0 computes everything at once.
+time: each chunk's loss is differentiated as soon as it is computed (w.r.t. the backbone states
+and the head weights), its tensors are freed, and the backbone's backward runs once on the
+accumulated state gradients. chunk_blocks = 0 computes everything at once.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..model.drafter import DSparkDrafter
 from .blocks import PackedBatch
@@ -74,6 +74,43 @@ def _chunk_terms(drafter: DSparkDrafter, hidden: torch.Tensor, target_hidden: to
     return torch.cat([sums, stats.detach()])
 
 
+class _ChunkedObjective(torch.autograd.Function):
+    """Σ_chunks coef·(ΣwCE, ΣwTV, ΣwBCE) with its gradients taken chunk by chunk in forward.
+
+    Each chunk's vocabulary-wide tensors live only while its own gradient is computed; the
+    gradients w.r.t. the backbone states [N, γ, d] and the head weights are kept (small) and
+    scaled by the incoming gradient in backward. Unlike activation checkpointing, nothing is
+    recomputed, so chunking costs no extra FLOPs.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, target_hidden, labels, prev, weight, coef, chunk, drafter, *params):
+        grad_hidden = torch.zeros_like(hidden)
+        grad_params = [torch.zeros_like(p) for p in params]
+        total = None
+        for a in range(0, hidden.shape[0], chunk):
+            with torch.enable_grad():
+                h = hidden[a:a + chunk].detach().requires_grad_(True)
+                part = _chunk_terms(drafter, h, target_hidden[a:a + chunk], labels[a:a + chunk],
+                                    prev[a:a + chunk], weight[a:a + chunk])
+                objective = coef[0] * part[0] + coef[1] * part[1] + coef[2] * part[2]
+                grads = torch.autograd.grad(objective, [h, *params], allow_unused=True)
+            grad_hidden[a:a + chunk] = grads[0]
+            for acc, g in zip(grad_params, grads[1:], strict=True):
+                if g is not None:
+                    acc += g
+            total = part.detach() if total is None else total + part.detach()
+        ctx.save_for_backward(grad_hidden, *grad_params)
+        ctx.mark_non_differentiable(total)
+        return (coef[0] * total[0] + coef[1] * total[1] + coef[2] * total[2]), total
+
+    @staticmethod
+    def backward(ctx, grad_objective, _grad_total):
+        grad_hidden, *grad_params = ctx.saved_tensors
+        return (grad_hidden * grad_objective, None, None, None, None, None, None, None,
+                *(g * grad_objective for g in grad_params))
+
+
 class DrafterLoss(nn.Module):
     """Drafter + loss in one module, so DDP wraps a single forward(batch) → (loss, stats)."""
 
@@ -89,21 +126,24 @@ class DrafterLoss(nn.Module):
         hidden = d(batch.block_input_ids, batch.block_position_ids, batch.context_hidden,
                    batch.context_position_ids, mask)  # [N, γ, d]
         weight = slot_weights(gamma, self.weights.gamma_decay, hidden.device) * batch.valid.float()  # [N, γ]
-        N = hidden.shape[0]
-        step = self.chunk_blocks if self.chunk_blocks > 0 else N
-        total = None
-        for a in range(0, N, step):
-            args = (d, hidden[a:a + step], batch.target_hidden[a:a + step], batch.labels[a:a + step],
-                    batch.prev_tokens[a:a + step], weight[a:a + step])
-            if self.chunk_blocks > 0 and torch.is_grad_enabled():
-                part = checkpoint(_chunk_terms, *args, use_reentrant=False)
-            else:
-                part = _chunk_terms(*args)
-            total = part if total is None else total + part
-        w_sum = weight.sum().clamp_min(1e-8)
-        ce, tv, bce = total[0] / w_sum, total[1] / w_sum, total[2] / w_sum
         w = self.weights
-        loss = w.ce * ce + w.tv * tv + (w.conf * bce if d.confidence_head is not None else 0.0 * bce)
+        coef = (w.ce, w.tv, w.conf if d.confidence_head is not None else 0.0)
+        N = hidden.shape[0]
+        if self.chunk_blocks > 0 and torch.is_grad_enabled():
+            heads = [m for m in (d.markov_head, d.confidence_head) if m is not None]
+            params = [p for m in heads for p in m.parameters() if p.requires_grad]
+            objective, total = _ChunkedObjective.apply(hidden, batch.target_hidden, batch.labels,
+                                                       batch.prev_tokens, weight, coef, self.chunk_blocks, d,
+                                                       *params)
+        else:
+            step = self.chunk_blocks if self.chunk_blocks > 0 else N
+            total = sum(_chunk_terms(d, hidden[a:a + step], batch.target_hidden[a:a + step],
+                                     batch.labels[a:a + step], batch.prev_tokens[a:a + step],
+                                     weight[a:a + step]) for a in range(0, N, step))
+            objective = coef[0] * total[0] + coef[1] * total[1] + coef[2] * total[2]
+        w_sum = weight.sum().clamp_min(1e-8)
+        loss = objective / w_sum
+        ce, tv, bce = total[0] / w_sum, total[1] / w_sum, total[2] / w_sum
         supervised = batch.valid.float().sum(0)  # [γ]
         stats = {
             "loss": loss.detach(), "ce": ce.detach(), "tv": tv.detach(), "conf_bce": bce.detach(),
