@@ -259,3 +259,19 @@ def test_bad_inputs_fail_in_one_line_before_claiming_the_output(trained, tiny_qw
     with pytest.raises(DsparkError, match="no target"):
         run_eval(_cfg(tiny_qwen3_target, out_dir, f"eval.datasets=['{data}']"), "", train_url, str(output))
     assert not output.exists()  # nothing claimed: fixing the typo needs no --force
+
+
+def test_scheduler_table_only_when_there_is_a_schedule_to_show():
+    from rich.console import Console
+
+    from dspark_cli.decode.report import render_scheduler_table
+
+    sched = {"policy": "algorithm1", "concurrency": 2, "rounds": 5, "verified_per_round": 3.0,
+             "tau_per_request": 2.0, "theta": 4.0, "budget_per_request": 1.0}
+    report = {"schedule": "algorithm1", "sps": "sps.json", "concurrency": 2,
+              "datasets": [{"name": "g", "scheduler": [sched]}]}
+    console = Console(width=160, record=True)
+    console.print(render_scheduler_table(report))
+    text = console.export_text()
+    assert "algorithm1" in text and "budget/request" in text and "4.00" in text
+    assert render_scheduler_table({**report, "schedule": "fixed", "concurrency": 1}) is None

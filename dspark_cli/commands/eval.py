@@ -57,7 +57,7 @@ def eval_cmd(
     """Decode each dataset with target + drafter; write report.json, acceptance.png."""
     if ctx.invoked_subcommand is not None:
         return
-    from ..decode.report import render_table
+    from ..decode.report import render_scheduler_table, render_table
     from ..decode.stages import run_eval
 
     cfg = load(config, set_, target={"model": target}, eval={
@@ -76,6 +76,9 @@ def eval_cmd(
 
         report = storage.read_json(storage.join(output, "report.json"))
     out.print(render_table(report))
+    scheduler_table = render_scheduler_table(report)
+    if scheduler_table is not None:
+        out.print(scheduler_table)
     out.print(f"report: {output}/report.json")
 
 

@@ -129,3 +129,18 @@ def render_table(report: dict[str, Any]) -> Table:
                       str(d["accepted"]), f(tps["speculative"], 1), f(tps["target_only"], 1),
                       f(tps["speedup"]), cond)
     return table
+
+
+def render_scheduler_table(report: dict[str, Any]) -> Table | None:
+    """Per dataset and R: tokens verified per round, τ per request, Θ, budget per request (Fig. 8)."""
+    rows = [(d["name"], s) for d in report["datasets"] for s in d["scheduler"]]
+    if report["schedule"] == "fixed" and len(rows) == len(report["datasets"]) and report["concurrency"] == 1:
+        return None
+    sps = f", SPS {report['sps']}" if report["sps"] else ""
+    table = Table(title=f"scheduler: {report['schedule']}{sps}")
+    for col in ("dataset", "R", "rounds", "verified/round", "τ/request", "Θ = τ·SPS(B)", "budget/request"):
+        table.add_column(col, justify="left" if col == "dataset" else "right")
+    for name, s in rows:
+        table.add_row(name, str(s["concurrency"]), str(s["rounds"]), f"{s['verified_per_round']:.2f}",
+                      f"{s['tau_per_request']:.2f}", f"{s['theta']:.2f}", f"{s['budget_per_request']:.2f}")
+    return table
