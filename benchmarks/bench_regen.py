@@ -33,6 +33,26 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+async def _bare_client(url: str, n: int, concurrency: int) -> float:
+    """Requests/s of a bare aiohttp loop (no SDK, no storage) against the same server: the ceiling
+    this machine allows right now, to read the regen figure against."""
+    import asyncio
+
+    import aiohttp
+
+    left = iter(range(n))
+    async with aiohttp.ClientSession() as session:
+        async def worker() -> None:
+            for i in left:
+                body = {"model": "bench-model", "messages": [{"role": "user", "content": f"bare {i}"}]}
+                async with session.post(f"{url}/chat/completions", json=body) as resp:
+                    await resp.json()
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return n / (time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=3200)
@@ -62,6 +82,9 @@ def main() -> None:
         result = regen(cfg, f"{tmp}/prompts", f"{tmp}/responses", show_progress=False)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         server_cpu = _cpu_seconds(server.proc.pid) - server_cpu
+        import asyncio
+
+        bare = asyncio.run(_bare_client(server.url, args.prompts, args.concurrency))
 
     ideal = args.concurrency / args.delay
     manifest_rate = result.counts["requests_this_run"] / wall
@@ -73,6 +96,7 @@ def main() -> None:
         "client_cpu_ms_per_request": round(1000 * cpu / result.counts["requests_this_run"], 3),
         "server_cpu_ms_per_request": round(1000 * server_cpu / result.counts["requests_this_run"], 3),
         "load_average_before": round(load_before, 2), "cpus": os.cpu_count(),
+        "bare_aiohttp_requests_per_s": round(bare, 1), "bare_fraction_of_ideal": round(bare / ideal, 3),
     }
     print(f"regen: {summary['responses']} responses in {summary['wall_s']} s "
           f"(end to end: probe, reads, requests, shard writes, manifest)")
@@ -82,6 +106,8 @@ def main() -> None:
     print(f"CPU per request: client {summary['client_cpu_ms_per_request']} ms, fixture server (main process) "
           f"{summary['server_cpu_ms_per_request']} ms; load average before the run "
           f"{summary['load_average_before']} on {summary['cpus']} CPUs (other work competes for them)")
+    print(f"same server, bare aiohttp loop (no SDK, no storage): {summary['bare_aiohttp_requests_per_s']} "
+          f"req/s -> {summary['bare_fraction_of_ideal']:.3f} of ideal (the machine's ceiling right now)")
     if args.json:
         print(json.dumps(summary))
 
