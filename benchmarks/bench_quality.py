@@ -70,7 +70,8 @@ def run_stages(args: argparse.Namespace, root: Path) -> dict[str, float]:
     timed("prepare", "data", "prepare", "-c", DSPARK_CFG, *shared, *args.sets)
     t = time.time()
     with served(TARGET, served_model_name=TARGET, log_path=str(root.parent / f"{root.name}-serve.log"),
-                args=["--max-batch-size", "32"]) as server:
+                args=["--max-batch-size", "32", *(["--threads", str(args.threads)] if args.threads else [])],
+                ) as server:
         timings["serve_start"] = time.time() - t
         timed("regen", "data", "regen", "-c", DSPARK_CFG, *shared, "--endpoint", server.base_url,
               "--model", server.model, *args.sets)
