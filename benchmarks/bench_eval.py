@@ -91,7 +91,8 @@ def bench_decode(target: str, drafter: str, dataset: str, limit: int, max_new: i
     return rows
 
 
-def self_distilled_drafter(target: str, out: str, prompts: int, steps: int, dtype: str) -> str:
+def self_distilled_drafter(target: str, out: str, prompts: int, steps: int, dtype: str,
+                           max_new_tokens: int = 96) -> str:
     """No demo drafter yet: the target answers `prompts` bundled prompts itself (as regen would),
     `capture_layers` gives their features exactly as the cache stores them, the real trainer fits a
     1-layer drafter for `steps` steps. A quick stand-in for `make demo`, not a quality result."""
@@ -105,7 +106,8 @@ def self_distilled_drafter(target: str, out: str, prompts: int, steps: int, dtyp
     convs = load_conversations("dspark_cli/resources/demo_prompts.jsonl", limit=prompts)
     convs = [c.__class__(c.id, c.turns[:1], c.system) for c in convs]
     t0 = time.perf_counter()
-    answers = target_only(model, tokenizer, convs, temperature=0.7, max_new_tokens=96, thinking=False).answers
+    answers = target_only(model, tokenizer, convs, temperature=0.7, max_new_tokens=max_new_tokens,
+                          thinking=False).answers
     samples = []
     for conv in convs:
         messages = [{"role": "user", "content": conv.turns[0]}]
@@ -139,6 +141,7 @@ def main() -> None:
     ap.add_argument("--self-distill", type=int, default=0, metavar="N",
                     help="Without --drafter: train a stand-in drafter on N self-distilled answers.")
     ap.add_argument("--train-steps", type=int, default=60)
+    ap.add_argument("--distill-tokens", type=int, default=96)
     ap.add_argument("--dataset", default="/work/shared/eval_datasets/gsm8k.jsonl")
     ap.add_argument("--limit", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -154,7 +157,7 @@ def main() -> None:
         drafter = args.drafter if args.drafter and storage.exists(args.drafter) else None
         if drafter is None and args.self_distill:
             drafter = self_distilled_drafter(args.target, args.out, args.self_distill, args.train_steps,
-                                             args.dtype)
+                                             args.dtype, args.distill_tokens)
         if drafter:
             results["decode"] = bench_decode(args.target, drafter, args.dataset, args.limit,
                                              args.max_new_tokens, f"{results['sps']['url']}/sps.json",

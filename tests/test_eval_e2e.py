@@ -114,6 +114,7 @@ def test_eval_cli_writes_report_and_skips_when_done(trained, tiny_qwen3_target, 
     assert d["tokens_per_second"]["speculative"] > 0 and d["tokens_per_second"]["target_only"] > 0
     assert [s["threshold"] for s in d["threshold_sweep"]][:2] == [0.05, 0.1]
     assert storage.read_bytes(f"{output}/acceptance.png")[:4] == b"\x89PNG"
+    assert storage.read_bytes(f"{output}/threshold_sweep.png")[:4] == b"\x89PNG"
     assert manifest.read_manifest(output)["counts"]["datasets"] == 1
     assert "report.json" in capsys.readouterr().out
     assert _cli(*args) == 0 and "nothing to do" in capsys.readouterr().err

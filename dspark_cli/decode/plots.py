@@ -43,6 +43,26 @@ def acceptance_plot(datasets: list[dict[str, Any]], url: str) -> None:
     _save(fig, url)
 
 
+def threshold_plot(datasets: list[dict[str, Any]], url: str) -> bool:
+    """Paper Fig. 5: accepted and rejected tokens per step vs a static threshold; False if no data."""
+    with_sweep = [d for d in datasets if d.get("threshold_sweep")]
+    if not with_sweep:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for d in with_sweep:
+        xs = [p["threshold"] for p in d["threshold_sweep"]]
+        line = ax.plot(xs, [p["accepted_per_step"] for p in d["threshold_sweep"]], marker="o",
+                       label=f"{d['name']} accepted")[0]
+        ax.plot(xs, [p["rejected_per_step"] for p in d["threshold_sweep"]], marker="x", ls="--",
+                color=line.get_color(), label=f"{d['name']} rejected")
+    ax.set_xlabel("static threshold on Π c'")
+    ax.set_ylabel("tokens per decoding step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, url)
+    return True
+
+
 def reliability_plot(rec: RoundRecords, temperatures: list[float], url: str, bins: int = 15) -> None:
     """Per position: observed prefix acceptance vs cumulative confidence, before and after STS."""
     gamma = rec.gamma

@@ -128,6 +128,7 @@ def run_eval(cfg: PipelineConfig, target: str, drafter_url: str, output_url: str
     }
     validate(report, "eval_report", where=storage.join(output_url, "report.json"))
     plots.acceptance_plot(datasets, storage.join(output_url, "acceptance.png"))
+    plots.threshold_plot(datasets, storage.join(output_url, "threshold_sweep.png"))
     storage.write_json(storage.join(output_url, "report.json"), report)
     counts = {"datasets": len(datasets), "rounds": sum(d["rounds"] for d in datasets),
               "new_tokens": sum(d["new_tokens"] for d in datasets)}
