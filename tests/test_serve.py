@@ -20,8 +20,8 @@ NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 def server(tiny_qwen3_target, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with served(str(tiny_qwen3_target), served_model_name="tiny", log_path=log,
-                args=["--dtype", "float32", "--max-batch-size", "8", "--batch-wait-ms", "30", "--threads", "1",
-                      "--default-max-tokens", "16"]) as handle:
+                args=["--dtype", "float32", "--max-batch-size", "8", "--batch-wait-ms", "30",
+                      "--threads", "1", "--default-max-tokens", "16"]) as handle:
         yield handle
 
 
@@ -58,6 +58,11 @@ class TestRoundTrip:
     def test_models_lists_the_served_name(self, client):
         models = client.models.list().data
         assert [m.id for m in models] == ["tiny"]
+
+    def test_model_path_and_folder_name_are_aliases(self, client, tiny_qwen3_target):
+        for name in (str(tiny_qwen3_target), tiny_qwen3_target.name):
+            r = client.chat.completions.create(model=name, messages=USER, max_tokens=2, extra_body=NO_THINK)
+            assert r.model == name and r.usage.completion_tokens <= 2
 
     def test_greedy_matches_transformers_generate(self, client, reference):
         prompt_ids, new_ids, text = reference(USER, 12, enable_thinking=False)
