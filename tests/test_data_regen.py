@@ -133,7 +133,7 @@ def test_regen_turn_by_turn_records_sampling_and_thinking(tmp_path, fixture_serv
     m = manifest.read_manifest(out)
     assert m["extra"]["api_key_env"] == "DSPARK_TEST_KEY" and m["counts"]["errors"] == 0
     assert regen(cfg, prompts, out).state == "done"
-    with pytest.raises(StageConflictError, match=r"config\.regen\.temperature"):
+    with pytest.raises(StageConflictError, match=r"config key regen\.temperature"):
         regen(_cfg(fixture_server, "regen.temperature=0.9", "regen.thinking=true", "regen.top_k=7",
                    "regen.min_p=0.05", "regen.max_tokens=64", "regen.api_key_env=DSPARK_TEST_KEY"),
               prompts, out)

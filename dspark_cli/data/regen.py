@@ -183,10 +183,13 @@ class _Job:
     async def _produce(self, rows: asyncio.Queue, workers: int) -> None:
         """Stream the pending prompt rows shard by shard (reads in a thread), then one stop per worker."""
         seen: set[str] = set()
+
+        def pending_rows(shard: str) -> list[dict[str, Any]]:  # off the loop: decoding is CPU work
+            return [row for row in io.read_table(shard).to_pylist() if row["id"] in self.pending]
+
         for shard in io.list_shards(storage.join(self.input_url, io.DATA_DIR)):
-            table = await asyncio.to_thread(io.read_table, shard)
-            for row in table.to_pylist():
-                if row["id"] in self.pending and row["id"] not in seen:
+            for row in await asyncio.to_thread(pending_rows, shard):
+                if row["id"] not in seen:
                     seen.add(row["id"])
                     await rows.put(row)
         for _ in range(workers):
