@@ -18,7 +18,7 @@ from dspark_cli.cache.target import load_target
 from dspark_cli.config import load_config
 from dspark_cli.decode.prompts import Conversation, load_conversations
 from dspark_cli.decode.scheduler import Scheduler
-from dspark_cli.decode.specdec import SpeculativeDecoder, target_only
+from dspark_cli.decode.specdec import DecodeStats, SpeculativeDecoder, target_only
 from dspark_cli.decode.stages import run_calibrate, run_eval
 from dspark_cli.errors import DsparkError
 from dspark_cli.model.export import load_drafter
@@ -276,3 +276,25 @@ def test_scheduler_table_only_when_there_is_a_schedule_to_show():
     text = console.export_text()
     assert "algorithm1" in text and "budget/request" in text and "4.00" in text
     assert render_scheduler_table({**report, "schedule": "fixed", "concurrency": 1}) is None
+
+
+def test_incremental_features_and_cache_match_a_full_forward_after_rejections(models):
+    """At T=1 (rejections, corrections, bonus tokens) the drafter's context stays exactly what a
+    fresh forward over the accepted sequence gives, and the KV cache holds every position before
+    the anchor."""
+    from dspark_cli.cache.target import capture_layers
+
+    model, tokenizer, drafter = models
+    decoder = SpeculativeDecoder(model, tokenizer, drafter, Scheduler("fixed", drafter.block_size),
+                                 temperature=1.0, max_new_tokens=40, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    slot = decoder._open(CONVS[0], 0, [], gen, [])
+    stats = DecodeStats(gamma=drafter.block_size)
+    draft_gen = torch.Generator().manual_seed(4)
+    while not decoder._finished(slot):
+        decoder._round([slot], stats, gen, draft_gen)
+    state = slot.state
+    assert any(r.accepted < r.verified for r in stats.rounds)  # rejections happened
+    assert state.cache.get_seq_length() == len(state.ids) - 1 == state.features.shape[0]
+    full, _final = capture_layers(model, state.ids[:-1], drafter.config.target_layer_ids)
+    torch.testing.assert_close(state.features.float(), full.to(torch.bfloat16).float(), atol=2e-2, rtol=2e-2)
