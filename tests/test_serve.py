@@ -192,3 +192,21 @@ def test_serve_refuses_a_missing_model(tmp_path):
     with pytest.raises(DsparkError, match="exited"):
         start_server(str(tmp_path / "no-such-model"), log_path=tmp_path / "log", startup_timeout=60)
     assert "error:" in (tmp_path / "log").read_text()
+
+
+def test_regen_endpoints_serves_the_target_when_asked(tiny_qwen3_target, tmp_path):
+    from dspark_cli.config import load_config
+    from dspark_cli.serve.process import regen_endpoints
+
+    toml = tmp_path / "p.toml"
+    toml.write_text(f'[target]\nmodel = "{tiny_qwen3_target}"\nlayers = [1, 9]\n'
+                    '[regen]\nserve_target = true\nconcurrency = 4\n')
+    with regen_endpoints(load_config(str(toml), [])) as (endpoints, model):
+        client = openai.OpenAI(base_url=endpoints[0], api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == [model] == [str(tiny_qwen3_target)]
+    with pytest.raises(openai.APIConnectionError):  # stopped when the block ends
+        client.models.list()
+    plain = load_config(str(toml), ["regen.serve_target=false", "regen.endpoints=http://x:1/v1",
+                                     "regen.model=m"])
+    with regen_endpoints(plain) as (endpoints, model):
+        assert (endpoints, model) == (["http://x:1/v1"], "m")

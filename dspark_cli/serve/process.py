@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import DsparkError
 
@@ -91,6 +92,24 @@ def served(model: str, **kwargs) -> Iterator[ServerHandle]:
         yield handle
     finally:
         handle.stop()
+
+
+@contextmanager
+def regen_endpoints(cfg: Any, log_path: str | Path | None = None) -> Iterator[tuple[list[str], str]]:
+    """(endpoints, model name) for `data regen`: the config's own, or — with
+    `[regen] serve_target = true` — a `dspark serve` of `[target].model` started for the block."""
+    if not cfg.regen.serve_target:
+        yield list(cfg.regen.endpoints), cfg.regen.model
+        return
+    if not cfg.target.model:
+        raise DsparkError("regen.serve_target is true but target.model is empty.",
+                          hint="set [target] model = a model folder, e.g. from `dspark model convert`.")
+    args = ["--max-batch-size", str(min(cfg.regen.concurrency, 64))]
+    if cfg.target.device != "auto":
+        args += ["--device", cfg.target.device]
+    with served(cfg.target.model, served_model_name=cfg.regen.model or cfg.target.model,
+                args=args, log_path=log_path) as server:
+        yield [server.base_url], server.model
 
 
 def _tail(log_path: Path | None, lines: int = 5) -> str:
