@@ -77,7 +77,7 @@ def test_train_writes_the_contract_5_layout_on_memory(tiny_qwen3_target, samples
     assert train(cfg, "features://tiny", out, dataset=samples) is None
     other = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=4", "train.micro_batch=2",
                                        "train.lr=1e-3"))
-    with pytest.raises(StageConflictError, match="config.train.lr"):
+    with pytest.raises(StageConflictError, match="train.lr"):
         train(other, "features://tiny", out, dataset=samples)
 
 
