@@ -103,14 +103,17 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "dspark-bench" / "cache"),
                     help="Scratch folder (converted target, responses, caches); reused across runs.")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="Torch threads of the forward/build passes.")
+    ap.add_argument("--gen-threads", type=int, default=2, help="Torch threads while regenerating responses.")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     target = smollm2(work)
+    torch.set_num_threads(args.gen_threads)  # generation only: nothing else runs meanwhile
     responses = regenerate(target, work / f"responses-{args.samples}-{args.max_new_tokens}", args.samples,
                            args.max_new_tokens)
+    torch.set_num_threads(args.threads)  # forward and build: leave a core to the background writer
     # target.layers = [] is `--layers auto`: 5 layers spread like the reference configs.
     cfg = load_config(None, [f"target.model={target}", "target.dtype='float32'", "target.device=cpu",
                              "target.layers=[]", "cache.samples_per_shard=64", "cache.min_loss_tokens=8"])
