@@ -155,8 +155,10 @@ def test_two_workers_fill_one_cache_and_the_last_finalizes(local_cache, tiny_qwe
     assert first["shards_built"] == 2 and first["manifest"] is None
     with pytest.raises(DsparkError, match="shard-00001"):
         finalize_cache(out)
+    assert invoke("finalize", out).exit_code != 0
     second = build_cache(cfg, responses, out, num_workers=2, worker_index=1, quiet=True)
     assert second["shards_built"] == 1 and second["manifest"] is not None
+    assert invoke("finalize", out).exit_code == 0  # already final: a no-op
     ref = manifest.read_manifest(local_cache)["extra"]["shards"]
     assert [s["checksums"] for s in manifest.read_manifest(out)["extra"]["shards"]] == \
         [s["checksums"] for s in ref]
@@ -222,3 +224,20 @@ def test_estimate_matches_the_built_cache(local_cache, tiny_qwen3_target, respon
     assert estimate["uncompressed_bytes"] == extra["raw_bytes"]
     assert estimate["reference_bytes"] == extra["reference_bytes"]
     assert 0.7 < estimate["expected_bytes"] / extra["bytes"] < 1.3
+
+
+def test_partial_shard_on_an_object_store_is_rebuilt(local_cache, tiny_qwen3_target, responses, memory_url):
+    """A killed object-store write leaves objects without a marker: the rerun rebuilds that shard."""
+    out = storage.join(memory_url, "partial")
+    cfg = config(tiny_qwen3_target)
+    build_cache(cfg, responses, out, quiet=True)
+    shard = storage.join(out, "shards", "shard-00002")
+    storage.remove(storage.join(shard, storage.COMMIT_MARKER))
+    storage.remove(storage.join(out, manifest.MANIFEST_NAME))
+    storage.write_bytes(storage.join(shard, "hidden", "c", "0", "0"), b"half an upload")
+    result = build_cache(cfg, responses, out, quiet=True)
+    assert result["shards_built"] == 1 and result["manifest"] is not None
+    verify_cache(out)
+    ref = manifest.read_manifest(local_cache)["extra"]["shards"]
+    assert [s["checksums"] for s in manifest.read_manifest(out)["extra"]["shards"]] == \
+        [s["checksums"] for s in ref]
