@@ -86,6 +86,8 @@ def run_stages(args: argparse.Namespace, root: Path) -> dict[str, float]:
         calibration = root / "calibration" / "calibration.json"
         extra = (["--set", f"eval.calibration={calibration}"] if name == "dspark"
                  else ["--set", "eval.baseline=false"])  # the target-only speed is measured once
+        if args.no_baseline:
+            extra += ["--set", "eval.baseline=false"]
         timed(f"eval_{name}", "eval", "-c", cfg, *shared, "--drafter", str(root / f"train-{name}"),
               *datasets, "--limit", str(args.limit), "--temperature", "1.0",
               "--max-new-tokens", str(args.max_new_tokens), "-o", str(root / f"eval-{name}"),
@@ -232,6 +234,8 @@ def main() -> None:
     ap.add_argument("--no-mt-bench", action="store_true", help="Skip ../shared/eval_datasets/mt-bench.jsonl.")
     ap.add_argument("--set", dest="sets_raw", action="append", default=[],
                     help="Config override for every stage (section.key=value), e.g. train.epochs=2.")
+    ap.add_argument("--no-baseline", action="store_true",
+                    help="Skip target-only decoding (the speed comparison) to save time.")
     ap.add_argument("--report-only", action="store_true", help="Only summarise existing eval reports.")
     ap.add_argument("--demo-report", metavar="WORK_DIR", help="Print the demo's short report and exit.")
     ap.add_argument("--threads", type=int, default=None, help="torch threads in every stage.")
