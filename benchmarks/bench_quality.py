@@ -176,9 +176,15 @@ def plot_conditional(summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def display(name: str) -> str:
+    """demo_eval_gsm8k → GSM8K, mt-bench → MT-Bench: the paper's column names."""
+    key = name.removeprefix("demo_eval_").replace("_", "-").lower()
+    return {"gsm8k": "GSM8K", "humaneval": "HumanEval", "mt-bench": "MT-Bench"}.get(key, name)
+
+
 def markdown(summary: dict) -> str:
     names = summary["datasets"]
-    head = "| Method | " + " | ".join(names) + " | Macro avg |"
+    head = "| Method | " + " | ".join(display(n) for n in names) + " | Macro avg |"
     rule = "|---" * (len(names) + 2) + "|"
     rows = [f"| {label} | " + " | ".join(fmt(summary["tau"][m][n]) for n in [*names, "macro"]) + " |"
             for m, label in (("dflash", "DFlash"), ("dspark", "DSpark"))]
@@ -188,7 +194,7 @@ def markdown(summary: dict) -> str:
     cond = ["| Position | " + " | ".join(str(k + 1) for k in range(gamma)) + " |", "|---" * (gamma + 1) + "|"]
     for m, label in (("dflash", "DFlash"), ("dspark", "DSpark")):
         cond.append(f"| {label} | " + " | ".join(fmt(c) for c in summary["conditional_acceptance"][m]) + " |")
-    convs = ", ".join(f"{n} {c}" for n, c in summary["conversations"].items())
+    convs = ", ".join(f"{display(n)} {c}" for n, c in summary["conversations"].items())
     return "\n".join([
         f"τ (accepted tokens per verification incl. the bonus token), T={summary['temperature']}, "
         f"γ=7, max_new_tokens={summary['max_new_tokens']}, conversations: {convs}",
