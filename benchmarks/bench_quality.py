@@ -217,12 +217,12 @@ def demo_report(work_dir: Path) -> None:
     cal = json.loads(cal_path.read_text()) if cal_path.is_file() else {}
     print(f"\nDSpark demo — {work_dir} (T={report['temperature']}, γ={report['block_size']}, "
           f"schedule {report['schedule']})")
-    print(f"{'dataset':<12} {'τ':>6} {'spec tok/s':>11} {'target tok/s':>13} {'speedup':>8}   "
+    print(f"{'dataset':<10} {'τ':>6} {'spec tok/s':>11} {'target tok/s':>13} {'speedup':>8}   "
           "conditional acceptance by position")
     for d in report["datasets"]:
         tps = d["tokens_per_second"]
         cond = " ".join(fmt(c) for c in d["position_acceptance"]["conditional"])
-        print(f"{d['name']:<12} {fmt(d['tau']):>6} {fmt(tps['speculative'], '{:.1f}'):>11} "
+        print(f"{display(d['name']):<10} {fmt(d['tau']):>6} {fmt(tps['speculative'], '{:.1f}'):>11} "
               f"{fmt(tps['target_only'], '{:.1f}'):>13} {fmt(tps['speedup'], '{:.2f}x'):>8}   {cond}")
     if cal:
         print(f"confidence ECE before/after STS: {cal['ece_before']:.2%} → {cal['ece_after']:.2%} "
