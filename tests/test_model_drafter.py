@@ -174,6 +174,21 @@ def test_greedy_is_argmax_and_cache_matches_fresh(tiny_qwen3_target, samples):
         assert torch.allclose(fresh.confidences, cached.confidences, atol=1e-6)
 
 
+def test_cache_never_reuses_another_sequence_that_shares_a_prefix(tiny_qwen3_target, samples):
+    """Chat prompts all start with the same template tokens: the cache must notice where they part."""
+    drafter = build(tiny_qwen3_target)
+    sample = samples[2]
+    anchor = int(torch.nonzero(sample["loss_mask"])[0]) + 4
+    other = dict(sample, hidden_states=sample["hidden_states"].clone())
+    other["hidden_states"][anchor - 2:] += 1.0  # same first rows, different later context
+    greedy(drafter, sample, anchor)  # fills the cache from `sample`
+    cached = greedy(drafter, other, anchor)
+    drafter.reset_cache()
+    fresh = greedy(drafter, other, anchor)
+    assert torch.allclose(fresh.probs, cached.probs, atol=1e-6)
+    assert torch.allclose(fresh.confidences, cached.confidences, atol=1e-6)
+
+
 def test_fill_in_feeds_gamma_plus_one_slots(tiny_qwen3_target, samples):
     drafter = build(tiny_qwen3_target, block_convention="fill_in", markov_head_type="none",
                     enable_confidence_head=False)

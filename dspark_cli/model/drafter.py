@@ -224,20 +224,26 @@ class DSparkDrafter(nn.Module):
 
     def reset_cache(self) -> None:
         """Forget the cached context keys/values (call between unrelated sequences)."""
-        self._cache_first_row: torch.Tensor | None = None
+        self._cache_rows: torch.Tensor | None = None  # [n, m·d] the features the cache was built from
         self._cache_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._cache_len = 0
 
     def _cached_context_kv(self, ctx_hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer context K/V for rows 0..N-1, computing only the rows not seen before."""
+        """Per-layer context K/V for rows 0..N-1, computing only the rows not seen before.
+
+        The cache is reused for exactly the prefix of rows that equals what it was built from, so a
+        rollback (rejected tokens) keeps the accepted prefix and another sequence that merely starts
+        with the same chat-template tokens never reads stale keys.
+        """
         N = ctx_hidden.shape[0]
-        same_seq = (self._cache_first_row is not None and N > 0
-                    and torch.equal(self._cache_first_row, ctx_hidden[0]))
-        if not same_seq:
+        keep = min(N, self._cache_len)
+        if keep and not torch.equal(self._cache_rows[:keep], ctx_hidden[:keep]):
             self.reset_cache()
-        if self._cache_len > N:  # the caller rolled back: keep the prefix
-            self._cache_kv = [(k[:, :, :N], v[:, :, :N]) for k, v in self._cache_kv]
-            self._cache_len = N
+            keep = 0
+        if self._cache_len > keep:  # rolled back: keep the matching prefix
+            self._cache_kv = [(k[:, :, :keep], v[:, :, :keep]) for k, v in self._cache_kv]
+            self._cache_rows = self._cache_rows[:keep]
+            self._cache_len = keep
         if self._cache_len < N:
             new = ctx_hidden[self._cache_len:N]
             ctx = self.fuse_context(new).unsqueeze(0)  # [1, n_new, d]
@@ -249,7 +255,7 @@ class DSparkDrafter(nn.Module):
                 self._cache_kv = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
                                   for (k0, v0), (k1, v1) in zip(self._cache_kv, fresh, strict=True)]
             self._cache_len = N
-            self._cache_first_row = ctx_hidden[0].clone()
+            self._cache_rows = ctx_hidden[:N].clone()
         return self._cache_kv
 
     @torch.no_grad()
