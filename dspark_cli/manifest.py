@@ -118,7 +118,8 @@ def prepare_stage(stage: str, output_url: str, config: dict[str, Any], inputs: d
         if previous.get("stage") != stage:
             differing.insert(0, f"stage ({previous.get('stage')})")
         if differing:
-            shown = ", ".join(differing[:4]) + (f" and {len(differing) - 4} more" if len(differing) > 4 else "")
+            more = f" and {len(differing) - 4} more" if len(differing) > 4 else ""
+            shown = ", ".join(differing[:4]) + more
             raise StageConflictError(
                 f"{output_url}: holds a '{previous.get('stage')}' run made with another {shown}.",
                 hint="rerun with --force to replace it, or choose another output URL.",

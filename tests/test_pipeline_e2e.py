@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from fixtures.tiny_models import mask_token_id
 
 from dspark_cli import manifest
 from dspark_cli.data.io import read_rows
-from fixtures.tiny_models import mask_token_id
 
 STAGE_DIRS = ("prompts", "responses", "cache", "train", "calibration", "eval")
 QUESTIONS = ["What is 12 plus 30?", "Write a poem about the sea.", "Explain def add(a, b).",
