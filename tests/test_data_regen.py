@@ -339,3 +339,13 @@ def test_store_views_hide_resolved_errors_and_never_reuse_a_batch_index(memory_u
     assert io.list_shards(storage.join(memory_url, "errors")) == [storage.join(memory_url, "errors",
                                                                                "part-00002.parquet")]
     assert store.scan().next_index == 4
+
+
+def test_partial_batches_are_committed_every_flush_seconds(tmp_path, fixture_server):
+    fixture_server.set_faults(delay=0.1)
+    prompts = _prompts(tmp_path, 12)
+    out = str(tmp_path / "responses")
+    cfg = _cfg(fixture_server, "regen.concurrency=2", "regen.batch_rows=1000", "regen.flush_seconds=0.25")
+    counts = regen(cfg, prompts, out).counts  # ~0.8 s of requests, far fewer rows than a batch
+    assert counts["responses"] == 12 and counts["shards"] >= 2
+    _check_complete(prompts, out)
