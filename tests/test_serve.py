@@ -153,6 +153,23 @@ class TestBatching:
         assert after["requests"] - before["requests"] == 6
 
 
+    def test_a_request_joins_a_running_batch(self, client, server, reference):
+        before = _health(server)
+        long = iter(client.chat.completions.create(model="tiny", messages=USER, temperature=0,
+                                                   max_tokens=300, stream=True, extra_body=NO_THINK))
+        for _ in range(3):  # role chunk, then content: the long answer is being generated now
+            next(long)
+        prompt = [{"role": "user", "content": "Write 3 short words about the sea."}]
+        r = client.chat.completions.create(model="tiny", messages=prompt, temperature=0, max_tokens=8,
+                                           extra_body=NO_THINK)
+        assert r.choices[0].message.content == reference(prompt, 8, enable_thinking=False)[2]
+        finish = [c.choices[0].finish_reason for c in long if c.choices and c.choices[0].finish_reason]
+        after = _health(server)
+        assert finish == ["length"], "the long answer ended before the short one arrived"
+        assert after["joined"] - before["joined"] >= 1
+        assert after["batches"] - before["batches"] == 1  # one batch served both
+
+
 class TestErrors:
     def test_unknown_model_is_404(self, client):
         with pytest.raises(openai.NotFoundError) as e:

@@ -63,3 +63,32 @@ def test_eos_finishes_with_stop_and_is_not_in_the_text(tiny_qwen3_target):
     engine._advance(seq, engine.tokenizer.eos_token_id)
     assert seq.finish_reason == "stop" and seq.text == engine.tokenizer.decode([word])
     assert seq.generated == 2 and events[-1][1] == "stop"
+
+
+def test_sequences_joining_a_running_batch_generate_as_if_alone(tiny_qwen3_target):
+    """Continuous batching: a prompt that joins mid-generation (its cache left-padded and stacked
+    under the running one) gives the same greedy tokens as when decoded alone."""
+    engine = Engine(str(tiny_qwen3_target), dtype="float32")
+    prompts = [engine.render([{"role": "user", "content": c}], {"enable_thinking": False})
+               for c in ("What is 12 plus 30?", "Write a short poem about the sea, the wind and the stars.",
+                         "hi")]
+
+    def seq(ids: list[int], max_tokens: int = 12) -> Sequence:
+        return Sequence(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens), torch.Generator(),
+                        lambda d, r: None)
+
+    alone = []
+    for ids in prompts:
+        s = seq(ids)
+        engine.generate([s])
+        alone.append(s.output_ids)
+    first, late = seq(prompts[0]), [seq(prompts[1]), seq(prompts[2])]
+    calls = []
+
+    def take_new(running: int) -> list[Sequence]:
+        calls.append(running)
+        return late if len(calls) == 4 else []  # join after three decoding steps
+
+    engine.generate([first], take_new=take_new)
+    assert [first.output_ids, late[0].output_ids, late[1].output_ids] == alone
+    assert calls[4] == 3  # the running batch grew to three rows

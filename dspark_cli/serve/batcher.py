@@ -3,11 +3,13 @@ the next one, so concurrent clients share forward passes.
 
 The worker waits for a first sequence, then gives late arrivals `wait_ms` to join, takes what is
 queued up to `max_batch_size` sequences and `max_batch_tokens` padded prompt tokens, and runs the
-batch to completion (finished rows leave the KV cache early). Counters feed `/health`.
+batch; between two decoding steps, sequences queued meanwhile join the running batch while it has
+room (finished rows leave the KV cache at once). Counters feed `/health`.
 """
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -25,6 +27,8 @@ class Stats:
     sequences: int = 0
     batches: int = 0
     max_batch_size: int = 0
+    #: Sequences that joined a batch already running (continuous batching).
+    joined: int = 0
     forward_passes: int = 0
     #: Sum over forward passes of the rows in the pass (rows / passes = mean batch size).
     forward_rows: int = 0
@@ -99,6 +103,37 @@ class Batcher:
                 live.append(seq)
         return live
 
+    def _take_new(self, running: int, started: list[Sequence]) -> list[Sequence]:
+        """Queued sequences that fit in the running batch now (called between decoding steps)."""
+        joining: list[Sequence] = []
+        longest = 0
+        while running + len(joining) < self.max_batch_size:
+            seq = self._carry
+            self._carry = None
+            if seq is None:
+                try:
+                    seq = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            if seq is None:  # close(): let the main loop see it after this batch
+                self._queue.put(None)
+                break
+            if seq.cancelled.is_set():
+                seq.finish_reason = "cancelled"
+                seq.on_event("", "cancelled")
+                continue
+            if (len(joining) + 1) * max(longest, len(seq.prompt_ids)) > self.max_batch_tokens:
+                self._carry = seq
+                break
+            joining.append(seq)
+            longest = max(longest, len(seq.prompt_ids))
+        if joining:
+            started.extend(joining)
+            with self._lock:
+                self.stats.joined += len(joining)
+                self.stats.max_batch_size = max(self.stats.max_batch_size, running + len(joining))
+        return joining
+
     def _count_forward(self, rows: int) -> None:
         with self._lock:
             self.stats.forward_passes += 1
@@ -115,14 +150,16 @@ class Batcher:
             with self._lock:
                 self.stats.batches += 1
                 self.stats.max_batch_size = max(self.stats.max_batch_size, len(batch))
+            started_seqs = list(batch)
             try:
-                self.engine.generate(batch, on_forward=self._count_forward)
+                self.engine.generate(batch, on_forward=self._count_forward,
+                                     take_new=functools.partial(self._take_new, started=started_seqs))
             except Exception as e:  # report to the clients, keep serving
                 console.print(f"[red]generation failed for a batch of {len(batch)}:[/] {e!r}")
-                for seq in batch:
+                for seq in started_seqs:
                     if not seq.done:
                         seq.finish_reason = "error"
                         seq.on_event("", "error")
             with self._lock:
                 self.stats.busy_seconds += time.monotonic() - started
-                self.stats.completion_tokens += sum(s.generated for s in batch)
+                self.stats.completion_tokens += sum(s.generated for s in started_seqs)

@@ -46,6 +46,44 @@ class Sequence:
         return self.finish_reason is not None
 
 
+@dataclass(eq=False)
+class _Running:
+    """A batch mid-generation: cache row i holds rows[i]; attention covers the cached tokens."""
+
+    rows: list[Sequence]
+    cache: Any
+    attention: torch.Tensor  # [rows, T] 1 where a cached position is real, 0 for padding
+    next_tokens: torch.Tensor  # [rows] the token to feed next
+    next_pos: torch.Tensor  # [rows] its position id
+
+    @property
+    def joinable(self) -> bool:
+        """Stacking caches needs plain per-layer key/value tensors (DynamicCache of full attention)."""
+        layers = getattr(self.cache, "layers", None)
+        return bool(layers) and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+
+
+def _merge(a: _Running | None, b: _Running | None) -> _Running | None:
+    """Stack two running batches: left-pad the shorter cache (and mask) to the longer one."""
+    if a is None or b is None:
+        return a or b
+    T = max(a.attention.shape[1], b.attention.shape[1])
+
+    def pad(x: torch.Tensor, dim: int) -> torch.Tensor:  # left-pad dimension `dim` to length T
+        missing = T - x.shape[dim]
+        if missing == 0:
+            return x
+        shape = list(x.shape)
+        shape[dim] = missing
+        return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+    for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
+        la.keys = torch.cat([pad(la.keys, 2), pad(lb.keys, 2)], dim=0)  # [Ra+Rb, H, T, D]
+        la.values = torch.cat([pad(la.values, 2), pad(lb.values, 2)], dim=0)
+    return _Running(a.rows + b.rows, a.cache, torch.cat([pad(a.attention, 1), pad(b.attention, 1)]),
+                    torch.cat([a.next_tokens, b.next_tokens]), torch.cat([a.next_pos, b.next_pos]))
+
+
 class Engine:
     """A Transformers causal LM + tokenizer with batched, cached generation."""
 
@@ -91,8 +129,30 @@ class Engine:
         return list(ids)
 
     @torch.inference_mode()
-    def generate(self, batch: list[Sequence], on_forward: Callable[[int], None] = lambda b: None) -> None:
-        """Run every sequence of `batch` to its end (callbacks report the text as it grows)."""
+    def generate(self, batch: list[Sequence], on_forward: Callable[[int], None] = lambda b: None,
+                 take_new: Callable[[int], list[Sequence]] | None = None) -> None:
+        """Run every sequence of `batch` to its end (callbacks report the text as it grows).
+
+        With `take_new(rows_running)`, sequences queued meanwhile join the running batch between
+        two decoding steps: they are prefilled on their own, then their KV cache is left-padded
+        and stacked under the running one (continuous batching).
+        """
+        state = self._prefill(batch, on_forward)
+        while state is not None:
+            joining = take_new(len(state.rows)) if take_new and state.joinable else []
+            if joining:
+                state = _merge(state, self._prefill(joining, on_forward))
+                if state is None:
+                    continue
+            on_forward(len(state.rows))
+            state.attention = torch.cat([state.attention, torch.ones((len(state.rows), 1),
+                                                                     dtype=torch.long)], dim=1)
+            out = self._forward(state.next_tokens[:, None], state.attention,  # [rows, 1]
+                                state.next_pos[:, None], state.cache)
+            state = self._sample_and_prune(state, out.logits[:, -1, :].cpu(), state.next_pos + 1)
+
+    def _prefill(self, batch: list[Sequence], on_forward: Callable[[int], None]) -> _Running | None:
+        """Forward the (left-padded) prompts, sample each sequence's first token."""
         B = len(batch)
         L = max(len(s.prompt_ids) for s in batch)
         input_ids = torch.full((B, L), self.pad_id, dtype=torch.long)  # [B, L], left padded
@@ -102,29 +162,34 @@ class Engine:
             attention[row, L - len(seq.prompt_ids):] = 1
         positions = (attention.cumsum(-1) - 1).clamp(min=0)  # [B, L]
         cache = _new_cache()
-        rows = list(batch)  # rows[i] is the sequence in cache row i
-        step_ids, step_pos = input_ids, positions
-        while rows:
-            on_forward(len(rows))
-            out = self.model(input_ids=step_ids.to(self.device), attention_mask=attention.to(self.device),
-                             position_ids=step_pos.to(self.device), use_cache=True,
-                             logits_to_keep=1, **{self._cache_arg: cache})
-            logits = out.logits[:, -1, :].cpu()  # [rows, V]
-            tokens = sample(logits, [s.params for s in rows], [s.generator for s in rows])
-            for seq, token in zip(rows, tokens.tolist(), strict=True):
-                self._advance(seq, token)
-            keep = [i for i, s in enumerate(rows) if not s.done]
-            if not keep:
-                break
-            last_pos = step_pos[:, -1]  # [rows]
-            if len(keep) < len(rows):
-                index = torch.tensor(keep)
-                cache.batch_select_indices(index.to(self.device))
-                attention, last_pos, tokens = attention[index], last_pos[index], tokens[index]
-                rows = [rows[i] for i in keep]
-            step_ids = tokens[:, None]  # [rows, 1]
-            step_pos = (last_pos + 1)[:, None]  # [rows, 1]
-            attention = torch.cat([attention, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
+        on_forward(B)
+        out = self._forward(input_ids, attention, positions, cache)
+        state = _Running(list(batch), cache, attention, torch.zeros(B, dtype=torch.long),
+                         torch.zeros(B, dtype=torch.long))
+        return self._sample_and_prune(state, out.logits[:, -1, :].cpu(), positions[:, -1] + 1)
+
+    def _forward(self, input_ids: torch.Tensor, attention: torch.Tensor, positions: torch.Tensor,
+                 cache: Any) -> Any:
+        return self.model(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
+                          position_ids=positions.to(self.device), use_cache=True, logits_to_keep=1,
+                          **{self._cache_arg: cache})
+
+    def _sample_and_prune(self, state: _Running, logits: torch.Tensor,
+                          next_pos: torch.Tensor) -> _Running | None:
+        """Sample a token per row (logits [rows, V]), report it, drop finished rows from the cache."""
+        tokens = sample(logits, [s.params for s in state.rows], [s.generator for s in state.rows])
+        for seq, token in zip(state.rows, tokens.tolist(), strict=True):
+            self._advance(seq, token)
+        keep = [i for i, s in enumerate(state.rows) if not s.done]
+        if not keep:
+            return None
+        if len(keep) < len(state.rows):
+            index = torch.tensor(keep)
+            state.cache.batch_select_indices(index.to(self.device))
+            state.attention, next_pos, tokens = state.attention[index], next_pos[index], tokens[index]
+            state.rows = [state.rows[i] for i in keep]
+        state.next_tokens, state.next_pos = tokens, next_pos
+        return state
 
     def _advance(self, seq: Sequence, token: int) -> None:
         """Append one sampled token, detokenise, check the stop conditions, report the delta."""
