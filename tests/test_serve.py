@@ -227,3 +227,15 @@ def test_regen_endpoints_serves_the_target_when_asked(tiny_qwen3_target, tmp_pat
                                      "regen.model=m"])
     with regen_endpoints(plain) as (endpoints, model):
         assert (endpoints, model) == (["http://x:1/v1"], "m")
+
+
+def test_busy_port_is_a_one_line_error(server, tiny_qwen3_target):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "dspark_cli.cli", "serve", str(tiny_qwen3_target),
+                           "--port", str(server.port), "--threads", "1"],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2
+    assert f"error: cannot listen on 127.0.0.1:{server.port}" in done.stderr
+    assert "Traceback" not in done.stderr
