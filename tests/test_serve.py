@@ -239,3 +239,31 @@ def test_busy_port_is_a_one_line_error(server, tiny_qwen3_target):
     assert done.returncode == 2
     assert f"error: cannot listen on 127.0.0.1:{server.port}" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_server_dies_with_a_killed_parent(tiny_qwen3_target, tmp_path):
+    """kill -9 of the process that started the server (e.g. pipeline run) stops the server too."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = ("import sys; from dspark_cli.serve.process import start_server\n"
+              f"h = start_server({str(tiny_qwen3_target)!r}, args=['--threads', '1'])\n"
+              "print(h.process.pid, flush=True); sys.stdin.read()\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    child = int(parent.stdout.readline())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait(timeout=30)
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        if open(f"/proc/{child}/stat").read().split()[2] == "Z":
+            return  # exited, waiting to be reaped by init
+        time.sleep(0.2)
+    os.kill(child, signal.SIGKILL)
+    pytest.fail("the server outlived its killed parent")

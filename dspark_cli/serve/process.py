@@ -65,7 +65,8 @@ def start_server(model: str, port: int | None = None, host: str = "127.0.0.1",
            "--served-model-name", name, *(args or [])]
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 (owned by the child)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                               preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     handle = ServerHandle(process, host, port, name, Path(log_path) if log_path else None)
     deadline = time.monotonic() + startup_timeout
     while time.monotonic() < deadline:
@@ -110,6 +111,16 @@ def regen_endpoints(cfg: Any, log_path: str | Path | None = None) -> Iterator[tu
     with served(cfg.target.model, served_model_name=cfg.regen.model or cfg.target.model,
                 args=args, log_path=log_path) as server:
         yield [server.base_url], server.model
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies, even by kill -9 (a pipeline run
+    killed mid-regen must not leave a server holding the model and the port)."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _tail(log_path: Path | None, lines: int = 5) -> str:
