@@ -4,26 +4,24 @@ Each stage is the same `dspark …` command a user would type, so the pipeline i
 restart rules: a finished stage says "nothing to do", an interrupted one resumes. A separate process
 per stage keeps one stage's memory (the target, the drafter) from leaking into the next and lets a
 crash name the stage that failed. With `[regen] serve_target = true` the runner starts
-`dspark serve` on the target for the regen stage (laptops and demos; production points regen at
-vLLM or SGLang).
+`dspark serve` on the target for the regen stage (`serve.process.regen_endpoints`: the server
+dies with the runner, even on kill -9; laptops and demos — production points regen at vLLM or
+SGLang).
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from . import manifest, storage
 from .config import PipelineConfig, load_config
 from .console import console
 from .errors import DsparkError
+from .serve.process import regen_endpoints
 
 STAGES = ("prepare", "regen", "cache", "train", "calibrate", "eval")
 
@@ -60,49 +58,6 @@ def _dspark(*args: str) -> list[str]:
     return [sys.executable, "-m", "dspark_cli.cli", *args]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def serving_target(cfg: PipelineConfig, startup_timeout: float = 300.0) -> Iterator[str]:
-    """Run `dspark serve` on the target for the duration of the block; yields its /v1 URL."""
-    port = _free_port()
-    name = _served_name(cfg)
-    cmd = _dspark("serve", cfg.target.model, "--host", "127.0.0.1", "--port", str(port),
-                  "--served-model-name", name, "--dtype", cfg.target.dtype)
-    if cfg.target.trust_remote_code:
-        cmd.append("--trust-remote-code")
-    console.print(f"[cyan]▶[/] pipeline: starting `dspark serve {cfg.target.model}` on 127.0.0.1:{port}")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                raise DsparkError(f"dspark serve {cfg.target.model} exited with code {proc.returncode} "
-                                  "before answering.", hint="run it by hand to see why.")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                raise DsparkError(f"dspark serve {cfg.target.model} did not answer within "
-                                  f"{startup_timeout:.0f} s.")
-            time.sleep(0.5)
-        yield f"{base}/v1"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 def stage_args(stage: str, cfg: PipelineConfig, config_path: str, sets: list[str],
                force: bool) -> list[str]:
     words, _ = STAGE_COMMANDS[stage]
@@ -123,8 +78,11 @@ def run_stage(stage: str, cfg: PipelineConfig, config_path: str, sets: list[str]
     output_url = cfg.stage_url(STAGE_COMMANDS[stage][1])
     serve = stage == "regen" and cfg.regen.serve_target
     if serve and (force or manifest.read_manifest(output_url) is None):
-        with serving_target(cfg) as endpoint:
-            _run(stage, [*args, "--endpoint", endpoint, "--model", _served_name(cfg)])
+        console.print(f"[cyan]▶[/] pipeline: starting `dspark serve {cfg.target.model}` for regen")
+        log = storage.join(cfg.pipeline.work_dir, "serve.log") if storage.is_local(
+            storage.url_to_fs(cfg.pipeline.work_dir)[0]) else None
+        with regen_endpoints(cfg, log_path=log) as (endpoints, model):
+            _run(stage, [*args, *(a for e in endpoints for a in ("--endpoint", e)), "--model", model])
         return
     if serve and not cfg.regen.endpoints:
         # Finished regen only compares its manifest, but it still wants an endpoint named; the
@@ -134,7 +92,7 @@ def run_stage(stage: str, cfg: PipelineConfig, config_path: str, sets: list[str]
 
 
 def _served_name(cfg: PipelineConfig) -> str:
-    return cfg.regen.model or storage.basename(cfg.target.model)
+    return cfg.regen.model or cfg.target.model
 
 
 def _run(stage: str, args: list[str]) -> None:

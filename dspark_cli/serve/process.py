@@ -105,7 +105,9 @@ def regen_endpoints(cfg: Any, log_path: str | Path | None = None) -> Iterator[tu
     if not cfg.target.model:
         raise DsparkError("regen.serve_target is true but target.model is empty.",
                           hint="set [target] model = a model folder, e.g. from `dspark model convert`.")
-    args = ["--max-batch-size", str(min(cfg.regen.concurrency, 64))]
+    args = ["--max-batch-size", str(min(cfg.regen.concurrency, 64)), "--dtype", cfg.target.dtype]
+    if cfg.target.trust_remote_code:
+        args.append("--trust-remote-code")
     if cfg.target.device != "auto":
         args += ["--device", cfg.target.device]
     with served(cfg.target.model, served_model_name=cfg.regen.model or cfg.target.model,
