@@ -11,7 +11,6 @@ SGLang).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -84,21 +83,12 @@ def run_stage(stage: str, cfg: PipelineConfig, config_path: str, sets: list[str]
         with regen_endpoints(cfg, log_path=log) as (endpoints, model):
             _run(stage, [*args, *(a for e in endpoints for a in ("--endpoint", e)), "--model", model])
         return
-    if serve and not cfg.regen.endpoints:
-        # Finished regen only compares its manifest, but it still wants an endpoint named; the
-        # endpoint is not part of the stage identity, so no server needs to start for that.
-        args += ["--endpoint", "http://127.0.0.1:9/v1", "--model", _served_name(cfg)]
     _run(stage, args)
-
-
-def _served_name(cfg: PipelineConfig) -> str:
-    return cfg.regen.model or cfg.target.model
 
 
 def _run(stage: str, args: list[str]) -> None:
     console.rule(f"[bold]{stage}[/]: dspark {' '.join(args)}")
-    env = dict(os.environ)
-    code = subprocess.call(_dspark(*args), env=env)
+    code = subprocess.call(_dspark(*args))
     if code != 0:
         raise DsparkError(f"stage '{stage}' failed (exit {code}); its error is printed above.",
                           hint="fix it, then rerun the same `dspark pipeline run` to resume from there.")

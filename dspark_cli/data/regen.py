@@ -331,10 +331,11 @@ def regen(cfg: PipelineConfig, input_url: str | None = None, output_url: str | N
     s = cfg.regen
     input_url = input_url or cfg.stage_url("prompts")
     output_url = output_url or cfg.stage_url("responses")
-    if not s.endpoints:
+    finished = manifest.read_manifest(output_url) is not None and not retry_errors and not force
+    if not s.endpoints and not finished:  # a finished stage needs no server to say so
         raise DsparkError("regen.endpoints is empty.",
                           hint="pass --endpoint http://HOST:PORT/v1 (repeatable).")
-    if not s.model:
+    if not s.model and not finished:
         raise DsparkError("regen.model is empty.", hint="pass --model with the name the server knows.")
     if manifest.read_manifest(input_url) is None:
         raise DsparkError(f"{input_url}: not a finished prompts artifact (no manifest.json).",
