@@ -92,3 +92,37 @@ def test_sequences_joining_a_running_batch_generate_as_if_alone(tiny_qwen3_targe
     engine.generate([first], take_new=take_new)
     assert [first.output_ids, late[0].output_ids, late[1].output_ids] == alone
     assert calls[4] == 3  # the running batch grew to three rows
+
+
+def test_finished_long_prompt_frees_its_padding_columns(tiny_qwen3_target):
+    """When the row with the longest history finishes, the columns that were padding for every
+    other row leave the KV cache (the batch would otherwise keep paying for them each step), and
+    the remaining rows still decode exactly as when alone."""
+    engine = Engine(str(tiny_qwen3_target), dtype="float32")
+    short = engine.render([{"role": "user", "content": "hi"}], {"enable_thinking": False})
+    long = engine.render([{"role": "user", "content": "Write a long poem about the sea, the wind, the stars, "
+                                                      "the harbour lights and the boats coming home."}],
+                         {"enable_thinking": False})
+
+    def seq(ids: list[int], max_tokens: int) -> Sequence:
+        return Sequence(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens), torch.Generator(),
+                        lambda d, r: None)
+
+    alone = seq(short, 10)
+    engine.generate([alone])
+    widths: list[int] = []
+    forward = engine._forward
+
+    def recording_forward(input_ids, attention, positions, cache):
+        widths.append(attention.shape[1])
+        return forward(input_ids, attention, positions, cache)
+
+    engine._forward = recording_forward
+    together = [seq(long, 2), seq(short, 10)]
+    engine.generate(together)
+    assert together[1].output_ids == alone.output_ids
+    assert len(long) > len(short) + 5
+    # step 1 decodes both rows over the long prompt's width; once the long row is gone, the width
+    # is the short row's own history (prompt + tokens so far), not the long prompt's.
+    assert widths[1] == len(long) + 1
+    assert widths[2] == len(short) + 2

@@ -188,6 +188,7 @@ class Engine:
             state.cache.batch_select_indices(index.to(self.device))
             state.attention, next_pos, tokens = state.attention[index], next_pos[index], tokens[index]
             state.rows = [state.rows[i] for i in keep]
+            _trim_left_padding(state)
         state.next_tokens, state.next_pos = tokens, next_pos
         return state
 
@@ -220,6 +221,24 @@ class Engine:
         seq.finish_reason = reason
         if delta or reason:
             seq.on_event(delta, reason)
+
+
+def _trim_left_padding(state: _Running) -> None:
+    """Drop cache columns that are padding for every row left (a long row just finished).
+
+    Without this, a batch that never empties (clients keep sending) grows its padded width with
+    every join and every step pays attention and cache copies over dead columns.
+    """
+    if not state.joinable:
+        return
+    real = state.attention.any(dim=0)  # [T]
+    lead = int(real.long().argmax()) if bool(real.any()) else 0
+    if lead == 0:
+        return
+    state.attention = state.attention[:, lead:]
+    for layer in state.cache.layers:
+        layer.keys = layer.keys[:, :, lead:, :]
+        layer.values = layer.values[:, :, lead:, :]
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:
