@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.draw import draw
+
 GREEDY_EPS = 1e-6
 
 
@@ -24,7 +26,7 @@ def probs_from_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """One token from a 1-D distribution (argmax when it is one-hot)."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    return int(draw(probs, generator))
 
 
 def residual(p_target: torch.Tensor, p_draft: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from torch import nn
 
 from .attention import attend
 from .config import DrafterConfig
+from .draw import draw
 from .heads import ConfidenceHead, MarkovHead
 
 
@@ -295,10 +296,7 @@ class DSparkDrafter(nn.Module):
                 p = F.one_hot(token, logits.shape[-1]).float()
             else:
                 p = torch.softmax(logits / temperature, dim=-1)
-                if generator is not None and generator.device != p.device:  # e.g. a CPU generator
-                    token = torch.multinomial(p.to(generator.device), 1, generator=generator)[0].to(p.device)
-                else:
-                    token = torch.multinomial(p, 1, generator=generator)[0]
+                token = draw(p, generator)
             tokens.append(token)
             probs.append(p)
             prev = token.view(1)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.draw import draw
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -45,15 +47,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         return tokens
     temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params])
     probs, order = _sorted_filtered_probs(logits / temperature[:, None], params)  # [B, K] each
-    cdf = probs.cumsum(dim=-1)  # [B, K]
     for row, gen in enumerate(generators):
-        if greedy[row]:
-            continue
-        u = torch.rand((1,), generator=gen) * cdf[row, -1]
-        rank = int(torch.searchsorted(cdf[row], u, right=True).clamp(max=cdf.shape[1] - 1)[0])
-        while probs[row, rank] == 0:  # u landed on a float-rounding edge: step back to a kept token
-            rank -= 1
-        tokens[row] = order[row, rank]
+        if not greedy[row]:
+            tokens[row] = order[row, draw(probs[row], gen)]
     return tokens
 
 
