@@ -112,8 +112,13 @@ def prepare_stage(stage: str, output_url: str, config: dict[str, Any], inputs: d
     previous = storage.read_json(run_url) if storage.exists(run_url) else None
     if previous is not None and not force:
         differing = [f"config key {k}" for k in _diff_keys(previous.get("config"), config)]
-        old_inputs, new_inputs = previous.get("inputs") or {}, inputs
-        differing += [f"input {url}" for url in sorted(set(old_inputs) | set(new_inputs))
+        # compare locations, not spellings (`runs/x` and `/abs/runs/x` are one input); name the
+        # input the way the user wrote it this time
+        old_raw = previous.get("inputs") or {}
+        spelled = {storage.canonical(u): u for u in [*old_raw, *inputs]}
+        old_inputs = {storage.canonical(u): f for u, f in old_raw.items()}
+        new_inputs = {storage.canonical(u): f for u, f in inputs.items()}
+        differing += [f"input {spelled[url]}" for url in sorted(set(old_inputs) | set(new_inputs))
                       if old_inputs.get(url) != new_inputs.get(url)]
         if previous.get("stage") != stage:
             differing.insert(0, f"stage ({previous.get('stage')})")

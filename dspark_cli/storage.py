@@ -39,6 +39,15 @@ def url_to_fs(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSyst
     return fs, path
 
 
+def canonical(url: str) -> str:
+    """The same location spelled one way: local paths become absolute (`runs/x`, `./runs/x`,
+    `file:///…/runs/x` are one input); remote URLs are kept as written."""
+    protocol = fsspec.core.split_protocol(str(url))[0]
+    if protocol in (None, "file", "local"):
+        return os.path.abspath(fsspec.core.strip_protocol(str(url)) if protocol else str(url))
+    return str(url)
+
+
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
 

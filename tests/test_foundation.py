@@ -57,6 +57,19 @@ def test_stage_lifecycle_fresh_done_conflict_force(root_url):
     assert manifest.read_manifest(out) is None
 
 
+def test_the_same_local_input_spelled_differently_is_not_a_conflict(tmp_path, monkeypatch):
+    """`runs/x` from the repo root and `/abs/.../runs/x` name one input: a rerun with the other
+    spelling (a script passing absolute paths after `make demo` passed relative ones) is done."""
+    monkeypatch.chdir(tmp_path)
+    out = str(tmp_path / "out")
+    run = manifest.prepare_stage("demo", out, {"a": 1}, {"runs/in": "id:x"})
+    run.finish({"n": 1})
+    for spelling in (str(tmp_path / "runs" / "in"), "./runs/in", f"file://{tmp_path}/runs/in"):
+        assert manifest.prepare_stage("demo", out, {"a": 1}, {spelling: "id:x"}).state == "done"
+    with pytest.raises(StageConflictError):
+        manifest.prepare_stage("demo", out, {"a": 1}, {str(tmp_path / "runs" / "in"): "id:y"})
+
+
 def test_fingerprint_changes_with_content(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text("a\n")
