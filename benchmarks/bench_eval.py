@@ -96,7 +96,7 @@ def self_distilled_drafter(target: str, out: str, prompts: int, steps: int, dtyp
     """No demo drafter yet: the target answers `prompts` bundled prompts itself (as regen would),
     `capture_layers` gives their features exactly as the cache stores them, the real trainer fits a
     1-layer drafter for `steps` steps. A quick stand-in for `make demo`, not a quality result."""
-    from dspark_cli.cache.target import capture_layers, load_target
+    from dspark_cli.cache.target import answer_sample, load_target
     from dspark_cli.decode.prompts import load_conversations
     from dspark_cli.decode.specdec import render_prompt, target_only
     from dspark_cli.train.trainer import train
@@ -110,15 +110,9 @@ def self_distilled_drafter(target: str, out: str, prompts: int, steps: int, dtyp
                           thinking=False).answers
     samples = []
     for conv in convs:
-        messages = [{"role": "user", "content": conv.turns[0]}]
-        prompt = render_prompt(tokenizer, messages, thinking=False)
+        prompt = render_prompt(tokenizer, [{"role": "user", "content": conv.turns[0]}], thinking=False)
         answer = tokenizer(answers[conv.id][0], add_special_tokens=False)["input_ids"]
-        ids = prompt + answer + [tokenizer.eos_token_id]
-        hidden, final = capture_layers(model, ids, layers)
-        mask = torch.tensor([0] * len(prompt) + [1] * (len(answer) + 1), dtype=torch.bool)
-        samples.append({"sample_id": conv.id, "input_ids": torch.tensor(ids), "loss_mask": mask,
-                        "hidden_states": hidden.to(torch.bfloat16),
-                        "final_hidden": (final * mask[:, None]).to(torch.bfloat16)})
+        samples.append(answer_sample(model, conv.id, prompt, answer, tokenizer.eos_token_id, layers))
     print(f"\n(self-distilled {len(samples)} answers in {time.perf_counter() - t0:.0f} s)")
     cfg = load_config(None, [
         f"target.model='{target}'", f"target.layers={layers}", f"target.mask_token_id={mask_id}",

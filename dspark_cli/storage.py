@@ -43,9 +43,7 @@ def canonical(url: str) -> str:
     """The same location spelled one way: local paths become absolute (`runs/x`, `./runs/x`,
     `file:///…/runs/x` are one input); remote URLs are kept as written."""
     protocol = fsspec.core.split_protocol(str(url))[0]
-    if protocol in (None, "file", "local"):
-        return os.path.abspath(fsspec.core.strip_protocol(str(url)) if protocol else str(url))
-    return str(url)
+    return fsspec.core.strip_protocol(str(url)) if protocol in (None, "file", "local") else str(url)
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:

@@ -174,6 +174,21 @@ def capture_layers(model: Any, input_ids: torch.Tensor | list[int], layers: list
     return cap.hidden[0], cap.final[0]
 
 
+def answer_sample(model: Any, sample_id: str, prompt_ids: list[int], answer_ids: list[int],
+                  eos_id: int, layers: list[int]) -> dict[str, Any]:
+    """prompt + answer + eos → one training sample in the cache reader's format, without a cache.
+
+    Supervised (loss_mask) on the answer and its eos only, features stored as bf16 as `cache build`
+    stores them; what self-distillation in benchmarks and test fixtures feeds the trainer.
+    """
+    ids = prompt_ids + answer_ids + [eos_id]
+    hidden, final = capture_layers(model, ids, layers)
+    mask = torch.tensor([0] * len(prompt_ids) + [1] * (len(answer_ids) + 1), dtype=torch.bool)
+    return {"sample_id": sample_id, "input_ids": torch.tensor(ids), "loss_mask": mask,
+            "hidden_states": hidden.to(torch.bfloat16),
+            "final_hidden": (final * mask[:, None]).to(torch.bfloat16)}
+
+
 def capture_step(model: Any, new_ids: torch.Tensor | list[int], layers: list[int],
                  past_key_values: Any = None) -> Capture:
     """Incremental capture for decoding: feed only new tokens, keep the KV cache (eval's helper)."""
