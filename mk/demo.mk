@@ -1,5 +1,5 @@
 # The SmolLM2-135M demo pipeline and the DSpark-vs-DFlash quality benchmark (docs/demo.md).
-.PHONY: demo demo-model bench-quality
+.PHONY: demo demo-model bench-quality bench-factors
 
 SMOLLM2 := runs/models/smollm2-135m-instruct
 
@@ -16,3 +16,8 @@ demo: demo-model
 ## DSpark vs DFlash on the same data and budget, T=1, held-out GSM8K + HumanEval (+ MT-Bench).
 bench-quality: demo-model
 	$(BIN)/python benchmarks/bench_quality.py
+
+## One factor at a time against the demo config (data volume, layer choice, anchors, regen
+## sampling), each DSpark/DFlash pair at the same reduced budget; needs `make demo` first.
+bench-factors: demo-model
+	$(BIN)/python benchmarks/bench_factors.py

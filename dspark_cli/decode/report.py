@@ -30,6 +30,19 @@ def position_acceptance(stats: DecodeStats) -> dict[str, list]:
     return {"reached": reached, "accepted": accepted, "conditional": conditional}
 
 
+def tau_from_conditional(conditional: list[float | None], first: float | None = None) -> float:
+    """τ that conditional acceptances imply: 1 + Σ_k Π_{j≤k} c_j (a slot never reached counts 0).
+
+    `first` replaces c_1. With first = 1 it is the most a drafter with these later-slot
+    acceptances could reach however good its first slot became: the ceiling bench-factors reports.
+    """
+    tau, reach = 1.0, 1.0
+    for k, c in enumerate(conditional):
+        reach *= (first if k == 0 and first is not None else c) or 0.0
+        tau += reach
+    return tau
+
+
 def records(stats: DecodeStats) -> RoundRecords | None:
     """Rounds that carry confidences, in the form calibration and the sweep read."""
     rows = [r for r in stats.rounds if r.confidences is not None]

@@ -1,0 +1,194 @@
+"""Why is τ(DSpark)/τ(DFlash) what it is? One factor at a time, at a reduced budget.
+
+    .venv/bin/python benchmarks/bench_factors.py                 # make bench-factors
+    .venv/bin/python benchmarks/bench_factors.py --only base,layers-top
+    .venv/bin/python benchmarks/bench_factors.py --report-only
+
+bench-quality measures the paper's claim once, at full size. When its ratio misses the goal, the
+question is which of the things the issue names limits it: data volume, training budget (measured
+by bench-quality itself at 148 vs 296 steps), layer choice, anchors per sequence. This benchmark
+trains the DSpark/DFlash pair once per variant, each variant changing one thing against `base`
+(the demo's data, cache and config), every pair with the same number of optimizer steps, and
+scores each drafter two ways:
+
+- **offline**: teacher-forced acceptance on the cache's validation split (the trainer's
+  end-of-training score: seconds, but contexts are the regenerated answers);
+- **live**: speculative decoding at T = 1 on the held-out GSM8K, HumanEval (and MT-Bench when
+  ../shared/eval_datasets is present) prompts, `--limit` conversations each, no target-only run.
+
+It also prints the ceiling the live conditional acceptances put on the ratio: the ratio each pair
+would reach if the first draft position were always accepted, which no amount of first-slot
+improvement can beat. It needs the demo's work root (`make demo`): prompts, responses, cache.
+Every stage is a `dspark` call with its own manifest, so a rerun only redoes what changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from bench_quality import (
+    DFLASH_CFG,
+    DSPARK_CFG,
+    REPO,
+    TARGET,
+    dspark,
+    eval_sets,
+    fmt,
+    macro,
+    mean_conditional,
+)
+
+from dspark_cli.decode.report import tau_from_conditional
+
+#: Each variant changes one thing against `base` (the demo config): its data, cache or training.
+VARIANTS: dict[str, dict[str, object]] = {
+    "base": {},
+    "data-half": {"data": ["data.limit=160"], "epochs": 16},  # half the answers, same steps
+    "layers-top": {"layers": "1,8,15,22,29"},       # the same spread, ending at the last layer
+    "anchors-48": {"num_anchors": 48},              # twice the anchors per sequence (24 in base)
+    # answers sampled as the eval samples (T = 1, no top-p/top-k) instead of 0.7 / 0.8 / 20
+    "regen-t1": {"data": ["regen.temperature=1.0", "regen.top_p=1.0", "regen.top_k=-1"]},
+}
+DRAFTERS = (("dspark", DSPARK_CFG), ("dflash", DFLASH_CFG))
+
+
+def prepare_variant(work: Path, vroot: Path, spec: dict, sets: list[str]) -> Path:
+    """The cache this variant trains on: the demo's, or one rebuilt for its data or layers."""
+    shared = ["--set", f"pipeline.work_dir={work}"]
+    if "data" in spec:  # its own prompts → regenerated answers → cache
+        from dspark_cli.serve.process import served
+
+        vshared = ["--set", f"pipeline.work_dir={vroot}", *(a for o in spec["data"] for a in ("--set", o))]
+        dspark("data", "prepare", "-c", DSPARK_CFG, *vshared, *sets)
+        if not (vroot / "responses" / "manifest.json").is_file():
+            with served(TARGET, served_model_name=TARGET, log_path=str(vroot / "serve.log"),
+                        args=["--max-batch-size", "32"]) as server:
+                dspark("data", "regen", "-c", DSPARK_CFG, *vshared, "--endpoint", server.base_url,
+                       "--model", server.model, *sets)
+        dspark("cache", "build", "-c", DSPARK_CFG, *vshared, *sets)
+        return vroot / "cache"
+    if "layers" in spec:
+        dspark("cache", "build", "-c", DSPARK_CFG, *shared, "--responses", str(work / "responses"),
+               "-o", str(vroot / "cache"), "--layers", str(spec["layers"]), *sets)
+        return vroot / "cache"
+    return work / "cache"
+
+
+def run_variant(args: argparse.Namespace, work: Path, name: str, spec: dict) -> dict[str, float]:
+    vroot = work / "factors" / name
+    vroot.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    t = time.time()
+    cache = prepare_variant(work, vroot, spec, args.sets)
+    timings["data"] = time.time() - t
+    shared = ["--set", f"pipeline.work_dir={work}"]
+    anchors = ["--num-anchors", str(spec["num_anchors"])] if "num_anchors" in spec else []
+    layers = ["--set", f"target.layers=[{spec['layers']}]"] if "layers" in spec else []
+    datasets = [a for path in eval_sets(args) for a in ("--dataset", path)]
+    for drafter, cfg in DRAFTERS:
+        t = time.time()
+        dspark("train", "-c", cfg, *shared, "--cache", str(cache), "-o", str(vroot / f"train-{drafter}"),
+               "--epochs", str(spec.get("epochs", 8)), "--max-steps", str(args.steps), *anchors, *layers,
+               *args.sets)
+        timings[f"train_{drafter}"] = time.time() - t
+        t = time.time()
+        dspark("eval", "-c", cfg, *shared, "--drafter", str(vroot / f"train-{drafter}"), *datasets,
+               "--limit", str(args.limit), "--temperature", "1.0",
+               "--max-new-tokens", str(args.max_new_tokens), "-o", str(vroot / f"eval-{drafter}"),
+               "--set", "eval.baseline=false", "--set", "eval.calibration=", *layers, *args.sets)
+        timings[f"eval_{drafter}"] = time.time() - t
+    return timings
+
+
+def score(work: Path, name: str) -> dict | None:
+    """Offline and live acceptance of one variant's pair; None until both evals exist."""
+    vroot = work / "factors" / name
+    out: dict = {"variant": name}
+    for drafter, _ in DRAFTERS:
+        report_path = vroot / f"eval-{drafter}" / "report.json"
+        train_manifest = vroot / f"train-{drafter}" / "manifest.json"
+        if not report_path.is_file() or not train_manifest.is_file():
+            return None
+        report = json.loads(report_path.read_text())
+        extra = json.loads(train_manifest.read_text())["extra"]
+        conditional = mean_conditional(report)
+        out[drafter] = {
+            "tau": macro([d["tau"] for d in report["datasets"]]),
+            "tau_by_dataset": {d["name"]: d["tau"] for d in report["datasets"]},
+            "conditional": conditional,
+            "offline_tau": (extra.get("validation") or {}).get("accepted_length"),
+            "offline_acceptance": (extra.get("validation") or {}).get("slot_acceptance"),
+            "train_samples": json.loads(train_manifest.read_text())["counts"]["train_samples"],
+        }
+    ds, df = out["dspark"], out["dflash"]
+    out["ratio"] = ds["tau"] / df["tau"]
+    out["offline_ratio"] = (ds["offline_tau"] / df["offline_tau"]
+                            if ds["offline_tau"] and df["offline_tau"] else None)
+    out["ratio_if_p1_were_1"] = (tau_from_conditional(ds["conditional"], first=1.0)
+                                 / tau_from_conditional(df["conditional"], first=1.0))
+    return out
+
+
+def markdown(rows: list[dict], steps: int, limit: int, max_new_tokens: int) -> str:
+    head = ("| Variant | train answers | τ DFlash | τ DSpark | ratio | p₁ DFlash / DSpark "
+            "| p₂ DFlash / DSpark | offline ratio | ratio if p₁ = 1 |")
+    lines = [f"{steps} optimizer steps per drafter; live: T=1, {limit} conversations per dataset, "
+             f"≤{max_new_tokens} new tokens; p_k = conditional acceptance at draft position k (pooled).",
+             "", head, "|---" * 9 + "|"]
+    for r in rows:
+        ds, df = r["dspark"], r["dflash"]
+        lines.append(
+            f"| {r['variant']} | {ds['train_samples']} | {fmt(df['tau'])} | {fmt(ds['tau'])} "
+            f"| {fmt(r['ratio'], '{:.3f}')} | {fmt(df['conditional'][0])} / {fmt(ds['conditional'][0])} "
+            f"| {fmt(df['conditional'][1])} / {fmt(ds['conditional'][1])} "
+            f"| {fmt(r['offline_ratio'], '{:.3f}')} | {fmt(r['ratio_if_p1_were_1'], '{:.3f}')} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", default="runs/smollm2-135m-dspark", help="The demo's work root.")
+    ap.add_argument("--only", default=",".join(VARIANTS), help="Comma-separated variants to run.")
+    ap.add_argument("--steps", type=int, default=148,
+                    help="Optimizer steps per drafter (bench-quality: 296).")
+    ap.add_argument("--limit", type=int, default=10, help="Conversations per eval dataset.")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--no-mt-bench", action="store_true", help="Skip ../shared/eval_datasets/mt-bench.jsonl.")
+    ap.add_argument("--set", dest="sets_raw", action="append", default=[],
+                    help="Config override for every stage (section.key=value).")
+    ap.add_argument("--report-only", action="store_true", help="Only summarise finished variants.")
+    args = ap.parse_args()
+    os.chdir(REPO)
+    args.sets = [a for s in args.sets_raw for a in ("--set", s)]
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    work = (REPO / args.work).resolve()
+    if not (work / "cache" / "manifest.json").is_file():
+        raise SystemExit(f"{work}/cache has no manifest: run `make demo` first (it builds the shared "
+                         "stages).")
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--only: unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    timings: dict[str, dict[str, float]] = {}
+    if not args.report_only:
+        for name in names:
+            timings[name] = run_variant(args, work, name, VARIANTS[name])
+    rows = [r for r in (score(work, n) for n in VARIANTS) if r is not None]
+    if not rows:
+        raise SystemExit("no variant has both evals yet")
+    text = markdown(rows, args.steps, args.limit, args.max_new_tokens)
+    result = {"rows": rows, "timings_s": timings}
+    (work / "bench_factors.json").write_text(json.dumps(result, indent=2) + "\n")
+    (work / "bench_factors.md").write_text(text + "\n")
+    print("\n" + text)
+    for name, t in timings.items():
+        print(f"{name}: " + ", ".join(f"{k} {v:.0f}s" for k, v in t.items()))
+
+
+if __name__ == "__main__":
+    main()
