@@ -16,7 +16,9 @@ scores each drafter two ways:
 - **live**: speculative decoding at T = 1 on the held-out GSM8K, HumanEval (and MT-Bench when
   ../shared/eval_datasets is present) prompts, `--limit` conversations each, no target-only run.
 
-It also prints the ceiling the live conditional acceptances put on the ratio: the ratio each pair
+Offline figures compare only between variants that share the cache's validation split (all but
+the data variants, which prepare their own prompts). `--offline-only` trains and scores a pair
+without decoding (minutes instead of a quarter hour). It also prints the ceiling the live conditional acceptances put on the ratio: the ratio each pair
 would reach if the first draft position were always accepted, which no amount of first-slot
 improvement can beat. It needs the demo's work root (`make demo`): prompts, responses, cache.
 Every stage is a `dspark` call with its own manifest, so a rerun only redoes what changed.
@@ -49,6 +51,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "base": {},
     "data-half": {"data": ["data.limit=160"], "epochs": 16},  # half the answers, same steps
     "layers-top": {"layers": "1,8,15,22,29"},       # the same spread, ending at the last layer
+    "steps-4x": {"steps": 592, "epochs": 16},       # 4x base's optimizer steps (bench-quality: 2x)
     "anchors-48": {"num_anchors": 48},              # twice the anchors per sequence (24 in base)
     # answers sampled as the eval samples (T = 1, no top-p/top-k) instead of 0.7 / 0.8 / 20
     "regen-t1": {"data": ["regen.temperature=1.0", "regen.top_p=1.0", "regen.top_k=-1"]},
@@ -92,9 +95,11 @@ def run_variant(args: argparse.Namespace, work: Path, name: str, spec: dict) -> 
     for drafter, cfg in DRAFTERS:
         t = time.time()
         dspark("train", "-c", cfg, *shared, "--cache", str(cache), "-o", str(vroot / f"train-{drafter}"),
-               "--epochs", str(spec.get("epochs", 8)), "--max-steps", str(args.steps), *anchors, *layers,
-               *args.sets)
+               "--epochs", str(spec.get("epochs", 8)), "--max-steps", str(spec.get("steps", args.steps)),
+               *anchors, *layers, *args.sets)
         timings[f"train_{drafter}"] = time.time() - t
+        if args.offline_only:
+            continue
         t = time.time()
         dspark("eval", "-c", cfg, *shared, "--drafter", str(vroot / f"train-{drafter}"), *datasets,
                "--limit", str(args.limit), "--temperature", "1.0",
@@ -105,47 +110,60 @@ def run_variant(args: argparse.Namespace, work: Path, name: str, spec: dict) -> 
 
 
 def score(work: Path, name: str) -> dict | None:
-    """Offline and live acceptance of one variant's pair; None until both evals exist."""
+    """Offline and live acceptance of one variant's pair; None until both are trained.
+
+    A pair trained with --offline-only has no live figures (None): the table shows dashes there.
+    """
     vroot = work / "factors" / name
     out: dict = {"variant": name}
     for drafter, _ in DRAFTERS:
         report_path = vroot / f"eval-{drafter}" / "report.json"
         train_manifest = vroot / f"train-{drafter}" / "manifest.json"
-        if not report_path.is_file() or not train_manifest.is_file():
+        if not train_manifest.is_file():
             return None
-        report = json.loads(report_path.read_text())
+        report = json.loads(report_path.read_text()) if report_path.is_file() else None
         extra = json.loads(train_manifest.read_text())["extra"]
-        conditional = mean_conditional(report)
         out[drafter] = {
-            "tau": macro([d["tau"] for d in report["datasets"]]),
-            "tau_by_dataset": {d["name"]: d["tau"] for d in report["datasets"]},
-            "conditional": conditional,
+            "tau": macro([d["tau"] for d in report["datasets"]]) if report else None,
+            "tau_by_dataset": {d["name"]: d["tau"] for d in report["datasets"]} if report else None,
+            "conditional": mean_conditional(report) if report else None,
             "offline_tau": (extra.get("validation") or {}).get("accepted_length"),
             "offline_acceptance": (extra.get("validation") or {}).get("slot_acceptance"),
             "train_samples": json.loads(train_manifest.read_text())["counts"]["train_samples"],
+            "steps": json.loads(train_manifest.read_text())["counts"]["steps"],
         }
     ds, df = out["dspark"], out["dflash"]
-    out["ratio"] = ds["tau"] / df["tau"]
+    live = ds["tau"] is not None and df["tau"] is not None
+    out["ratio"] = ds["tau"] / df["tau"] if live else None
     out["offline_ratio"] = (ds["offline_tau"] / df["offline_tau"]
                             if ds["offline_tau"] and df["offline_tau"] else None)
     out["ratio_if_p1_were_1"] = (tau_from_conditional(ds["conditional"], first=1.0)
-                                 / tau_from_conditional(df["conditional"], first=1.0))
+                                 / tau_from_conditional(df["conditional"], first=1.0)) if live else None
     return out
 
 
+def _pair_formatter(df: dict, ds: dict):
+    """"DFlash / DSpark" for position k of a per-position list (dashes where it is missing)."""
+    def pair(key: str, k: int) -> str:
+        return " / ".join(fmt(m[key][k] if m[key] else None) for m in (df, ds))
+    return pair
+
+
 def markdown(rows: list[dict], steps: int, limit: int, max_new_tokens: int) -> str:
-    head = ("| Variant | train answers | τ DFlash | τ DSpark | ratio | p₁ DFlash / DSpark "
-            "| p₂ DFlash / DSpark | offline ratio | ratio if p₁ = 1 |")
-    lines = [f"{steps} optimizer steps per drafter; live: T=1, {limit} conversations per dataset, "
-             f"≤{max_new_tokens} new tokens; p_k = conditional acceptance at draft position k (pooled).",
-             "", head, "|---" * 9 + "|"]
+    head = ("| Variant | train answers | steps | τ DFlash | τ DSpark | ratio | p₁ DFlash / DSpark "
+            "| p₂ DFlash / DSpark | ratio if p₁ = 1 | offline p₁ DFlash / DSpark | offline ratio |")
+    lines = [f"Optimizer steps per drafter: {steps} unless the row says otherwise; live: T=1, "
+             f"{limit} conversations per dataset, ≤{max_new_tokens} new tokens; "
+             "p_k = conditional acceptance at draft position k (pooled).",
+             "", head, "|---" * 11 + "|"]
     for r in rows:
         ds, df = r["dspark"], r["dflash"]
+        pair = _pair_formatter(df, ds)
         lines.append(
-            f"| {r['variant']} | {ds['train_samples']} | {fmt(df['tau'])} | {fmt(ds['tau'])} "
-            f"| {fmt(r['ratio'], '{:.3f}')} | {fmt(df['conditional'][0])} / {fmt(ds['conditional'][0])} "
-            f"| {fmt(df['conditional'][1])} / {fmt(ds['conditional'][1])} "
-            f"| {fmt(r['offline_ratio'], '{:.3f}')} | {fmt(r['ratio_if_p1_were_1'], '{:.3f}')} |")
+            f"| {r['variant']} | {ds['train_samples']} | {ds['steps']} | {fmt(df['tau'])} | {fmt(ds['tau'])} "
+            f"| {fmt(r['ratio'], '{:.3f}')} | {pair('conditional', 0)} | {pair('conditional', 1)} "
+            f"| {fmt(r['ratio_if_p1_were_1'], '{:.3f}')} | {pair('offline_acceptance', 0)} "
+            f"| {fmt(r['offline_ratio'], '{:.3f}')} |")
     return "\n".join(lines)
 
 
@@ -160,6 +178,8 @@ def main() -> None:
     ap.add_argument("--no-mt-bench", action="store_true", help="Skip ../shared/eval_datasets/mt-bench.jsonl.")
     ap.add_argument("--set", dest="sets_raw", action="append", default=[],
                     help="Config override for every stage (section.key=value).")
+    ap.add_argument("--offline-only", action="store_true",
+                    help="Train the pairs and score them offline only (no speculative decoding).")
     ap.add_argument("--report-only", action="store_true", help="Only summarise finished variants.")
     args = ap.parse_args()
     os.chdir(REPO)
