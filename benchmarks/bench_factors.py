@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -39,11 +38,13 @@ from bench_quality import (
     DSPARK_CFG,
     REPO,
     TARGET,
+    add_stage_options,
     dspark,
     eval_sets,
     fmt,
     macro,
     mean_conditional,
+    stage_environment,
 )
 
 from dspark_cli.decode.report import tau_from_conditional
@@ -124,15 +125,16 @@ def score(work: Path, name: str) -> dict | None:
         if not train_manifest.is_file():
             return None
         report = json.loads(report_path.read_text()) if report_path.is_file() else None
-        extra = json.loads(train_manifest.read_text())["extra"]
+        trained = json.loads(train_manifest.read_text())
+        extra = trained["extra"]
         out[drafter] = {
             "tau": macro([d["tau"] for d in report["datasets"]]) if report else None,
             "tau_by_dataset": {d["name"]: d["tau"] for d in report["datasets"]} if report else None,
             "conditional": mean_conditional(report) if report else None,
             "offline_tau": (extra.get("validation") or {}).get("accepted_length"),
             "offline_acceptance": (extra.get("validation") or {}).get("slot_acceptance"),
-            "train_samples": json.loads(train_manifest.read_text())["counts"]["train_samples"],
-            "steps": json.loads(train_manifest.read_text())["counts"]["steps"],
+            "train_samples": trained["counts"]["train_samples"],
+            "steps": trained["counts"]["steps"],
         }
     ds, df = out["dspark"], out["dflash"]
     live = ds["tau"] is not None and df["tau"] is not None
@@ -177,17 +179,12 @@ def main() -> None:
                     help="Optimizer steps per drafter (bench-quality: 296).")
     ap.add_argument("--limit", type=int, default=10, help="Conversations per eval dataset.")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--no-mt-bench", action="store_true", help="Skip ../shared/eval_datasets/mt-bench.jsonl.")
-    ap.add_argument("--set", dest="sets_raw", action="append", default=[],
-                    help="Config override for every stage (section.key=value).")
+    add_stage_options(ap)
     ap.add_argument("--offline-only", action="store_true",
                     help="Train the pairs and score them offline only (no speculative decoding).")
     ap.add_argument("--report-only", action="store_true", help="Only summarise finished variants.")
     args = ap.parse_args()
-    os.chdir(REPO)
-    args.sets = [a for s in args.sets_raw for a in ("--set", s)]
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    stage_environment(args)
     work = (REPO / args.work).resolve()
     if not (work / "cache" / "manifest.json").is_file():
         raise SystemExit(f"{work}/cache has no manifest: run `make demo` first (it builds the shared "

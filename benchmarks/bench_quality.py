@@ -247,6 +247,22 @@ def demo_report(work_dir: Path) -> None:
             print(f"plot: {plot}")
 
 
+def add_stage_options(ap: argparse.ArgumentParser) -> None:
+    """Options every benchmark that drives `dspark` stages shares (bench-quality, bench-factors)."""
+    ap.add_argument("--no-mt-bench", action="store_true", help="Skip ../shared/eval_datasets/mt-bench.jsonl.")
+    ap.add_argument("--set", dest="sets_raw", action="append", default=[],
+                    help="Config override for every stage (section.key=value), e.g. train.epochs=2.")
+
+
+def stage_environment(args: argparse.Namespace) -> None:
+    """Run from the repository (configs and the target folder are relative to it), offline, with
+    `args.sets` as the `--set` pairs every stage gets."""
+    os.chdir(REPO)
+    args.sets = [a for s in args.sets_raw for a in ("--set", s)]
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="runs/smollm2-135m-dspark", help="Work root shared by both drafters.")
@@ -254,24 +270,19 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--epochs", type=int, default=8,
                     help="Training budget of each drafter (passes over the cached answers).")
-    ap.add_argument("--no-mt-bench", action="store_true", help="Skip ../shared/eval_datasets/mt-bench.jsonl.")
-    ap.add_argument("--set", dest="sets_raw", action="append", default=[],
-                    help="Config override for every stage (section.key=value), e.g. train.epochs=2.")
+    add_stage_options(ap)
     ap.add_argument("--no-baseline", action="store_true",
                     help="Skip target-only decoding (the speed comparison) to save time.")
     ap.add_argument("--report-only", action="store_true", help="Only summarise existing eval reports.")
     ap.add_argument("--demo-report", metavar="WORK_DIR", help="Print the demo's short report and exit.")
     ap.add_argument("--threads", type=int, default=None, help="torch threads in every stage.")
     args = ap.parse_args()
-    os.chdir(REPO)  # configs and the target folder are repository-relative
+    stage_environment(args)
     if args.demo_report:
         demo_report(Path(args.demo_report))
         return
-    args.sets = [a for s in args.sets_raw for a in ("--set", s)]
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     root = (REPO / args.work).resolve() if not Path(args.work).is_absolute() else Path(args.work)
     root.mkdir(parents=True, exist_ok=True)
     started = time.time()
