@@ -73,60 +73,54 @@ class Batcher:
         self._queue.put(None)
         self._thread.join(timeout=10)
 
+    def _gather(self, batch: list[Sequence], room: int, deadline: float | None) -> list[Sequence]:
+        """Append queued sequences to `batch` while it holds fewer than `room` and its padded prompts
+        fit `max_batch_tokens`; wait for arrivals until `deadline` (monotonic), or not at all (None).
+
+        The first sequence that does not fit is carried to the next call, cancelled ones are
+        finished here, and the close() sentinel is put back for the main loop to see.
+        """
+        longest = max((len(s.prompt_ids) for s in batch), default=0)
+        while len(batch) < room:
+            seq, self._carry = self._carry, None
+            if seq is None:
+                try:
+                    seq = (self._queue.get_nowait() if deadline is None
+                           else self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    break
+            if seq is None:
+                self._queue.put(None)
+                break
+            if seq.cancelled.is_set():  # the client went away while queued
+                self._finish_cancelled(seq)
+                continue
+            if (len(batch) + 1) * max(longest, len(seq.prompt_ids)) > self.max_batch_tokens:
+                self._carry = seq  # first in line next time
+                break
+            batch.append(seq)
+            longest = max(longest, len(seq.prompt_ids))
+        return batch
+
+    @staticmethod
+    def _finish_cancelled(seq: Sequence) -> None:
+        seq.finish_reason = "cancelled"
+        seq.on_event("", "cancelled")
+
     def _next_batch(self) -> list[Sequence] | None:
+        """Wait for a first sequence, give late arrivals `wait_s` to join; None once closed."""
         first = self._carry or self._queue.get()
         self._carry = None
         if first is None:
             return None
-        batch, longest = [first], len(first.prompt_ids)
-        deadline = time.monotonic() + self.wait_s
-        while len(batch) < self.max_batch_size:
-            try:
-                seq = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if seq is None:
-                self._queue.put(None)
-                break
-            padded = (len(batch) + 1) * max(longest, len(seq.prompt_ids))
-            if padded > self.max_batch_tokens:
-                self._carry = seq  # first in line for the next batch
-                break
-            batch.append(seq)
-            longest = max(longest, len(seq.prompt_ids))
-        live = []
-        for seq in batch:  # clients that went away while queued are not generated for
-            if seq.cancelled.is_set():
-                seq.finish_reason = "cancelled"
-                seq.on_event("", "cancelled")
-            else:
-                live.append(seq)
-        return live
+        if first.cancelled.is_set():
+            self._finish_cancelled(first)
+            return []
+        return self._gather([first], self.max_batch_size, time.monotonic() + self.wait_s)
 
     def _take_new(self, running: int, started: list[Sequence]) -> list[Sequence]:
         """Queued sequences that fit in the running batch now (called between decoding steps)."""
-        joining: list[Sequence] = []
-        longest = 0
-        while running + len(joining) < self.max_batch_size:
-            seq = self._carry
-            self._carry = None
-            if seq is None:
-                try:
-                    seq = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            if seq is None:  # close(): let the main loop see it after this batch
-                self._queue.put(None)
-                break
-            if seq.cancelled.is_set():
-                seq.finish_reason = "cancelled"
-                seq.on_event("", "cancelled")
-                continue
-            if (len(joining) + 1) * max(longest, len(seq.prompt_ids)) > self.max_batch_tokens:
-                self._carry = seq
-                break
-            joining.append(seq)
-            longest = max(longest, len(seq.prompt_ids))
+        joining = self._gather([], self.max_batch_size - running, deadline=None)
         if joining:
             started.extend(joining)
             with self._lock:
