@@ -176,7 +176,7 @@ def main() -> None:
     ap.add_argument("--work", default="runs/smollm2-135m-dspark", help="The demo's work root.")
     ap.add_argument("--only", default=",".join(VARIANTS), help="Comma-separated variants to run.")
     ap.add_argument("--steps", type=int, default=148,
-                    help="Optimizer steps per drafter (bench-quality: 296).")
+                    help="Optimizer steps per drafter (bench-quality: 592).")
     ap.add_argument("--limit", type=int, default=10, help="Conversations per eval dataset.")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     add_stage_options(ap)
