@@ -1,0 +1,135 @@
+"""Can a calibration family with an offset do what STS's temperatures cannot? (after bench-quality)
+
+    .venv/bin/python benchmarks/bench_calibration.py      # make bench-calibration
+
+STS rescales each slot's confidence logit by 1/T_k, so a confidence of 0.5 stays 0.5 whatever T_k
+is. When the head is off in the middle (it says 0.5, a third of those slots are accepted), STS has
+nothing to fit. This benchmark re-decodes the calibration prompts exactly as `dspark calibrate`
+does (same drafter, prompts, seed and full verification), then compares, on the same rounds:
+
+- STS (the shipped fit, `decode/calibrate.fit_sts`), and
+- per-position Platt scaling, c'_k = σ(a_k·logit(c_k) + b_k), fitted like STS: left to right,
+  each (a_k, b_k) minimising the ECE of the cumulative product Π_{i≤k} c'_i, on a grid.
+
+Both are scored in-sample (what calibration.json reports) and cross-fitted: fit on one half of
+the rounds, score the other half, both ways round. The halves have half the rounds, so their ECE
+floor is higher. Platt is measured here only; the calibrate stage still fits STS (DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from dspark_cli.decode.calibrate import RoundRecords, ece, fit_sts, logit, scale  # noqa: E402
+
+SLOPES = np.geomspace(0.1, 10.0, 41)
+OFFSETS = np.linspace(-3.0, 3.0, 61)
+
+
+def decode_rounds(config: str, work: str, drafter: str) -> RoundRecords:
+    """The calibrate stage's decoding, without its fit: every slot verified, one round per block."""
+    from dspark_cli.config import load_config
+    from dspark_cli.decode.prompts import load_conversations
+    from dspark_cli.decode.report import records
+    from dspark_cli.decode.scheduler import Scheduler
+    from dspark_cli.decode.specdec import SpeculativeDecoder
+    from dspark_cli.decode.stages import load_models
+
+    cfg = load_config(config, [f"pipeline.work_dir={work}"], extra={})
+    cal = cfg.calibrate
+    convs = load_conversations(f"{work}/prompts", cal.num_prompts, cal.split)
+    model, tokenizer, model_drafter = load_models(cfg, cfg.target.model, drafter)
+    schedule = Scheduler("fixed", model_drafter.block_size)
+    decoder = SpeculativeDecoder(model, tokenizer, model_drafter, schedule, temperature=cal.temperature,
+                                 max_new_tokens=cal.max_new_tokens, thinking=cal.thinking, seed=cal.seed)
+    rec = records(decoder.run(convs, 1))
+    if rec is None:
+        sys.exit(f"{drafter}: no rounds with confidences (does the drafter have a confidence head?)")
+    return rec
+
+
+def pooled_ece(rec: RoundRecords, calibrated: np.ndarray, bins: int = 15) -> tuple[float, np.ndarray]:
+    """The calibrate stage's figure: per-position ECE of the cumulative product, round-weighted."""
+    labels, observed = rec.prefix_accepted(), rec.observed()
+    cumulative = np.cumprod(calibrated, axis=1)
+    per, weights = [], []
+    for k in range(rec.gamma):
+        rows = observed[:, k]
+        per.append(ece(cumulative[rows, k], labels[rows, k], bins) if rows.any() else 0.0)
+        weights.append(rows.sum())
+    per_a, w = np.array(per), np.array(weights, dtype=np.float64)
+    return float((per_a * w).sum() / w.sum()), per_a
+
+
+def fit_platt(rec: RoundRecords, bins: int = 15) -> list[tuple[float, float]]:
+    """(a_k, b_k) left to right, each minimising the cumulative product's ECE (earlier ones fixed)."""
+    labels_all, observed = rec.prefix_accepted(), rec.observed()
+    logits = logit(rec.confidences)
+    prefix = np.ones(len(logits))
+    params: list[tuple[float, float]] = []
+    for k in range(rec.gamma):
+        rows = observed[:, k]
+        labels = labels_all[rows, k]
+        best, chosen = np.inf, (1.0, 0.0)
+        for a in SLOPES:
+            candidates = 1.0 / (1.0 + np.exp(-(a * logits[rows, k][None, :] + OFFSETS[:, None])))
+            for j, b in enumerate(OFFSETS):
+                err = ece(prefix[rows] * candidates[j], labels, bins) if labels.size else 0.0
+                if err < best:
+                    best, chosen = err, (float(a), float(b))
+        params.append(chosen)
+        prefix = prefix / (1.0 + np.exp(-(chosen[0] * logits[:, k] + chosen[1])))
+    return params
+
+
+def apply_platt(confidences: np.ndarray, params: list[tuple[float, float]]) -> np.ndarray:
+    logits = logit(confidences)
+    columns = [1.0 / (1.0 + np.exp(-(a * logits[:, k] + b))) for k, (a, b) in enumerate(params)]
+    return np.stack(columns, axis=1)
+
+
+def subset(rec: RoundRecords, idx: np.ndarray) -> RoundRecords:
+    return RoundRecords(rec.confidences[idx], rec.verified[idx], rec.accepted[idx])
+
+
+def fmt(per: np.ndarray) -> str:
+    return " ".join(f"{100 * e:.1f}" for e in per)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="pipelines/smollm2-135m.toml")
+    ap.add_argument("--work", default="runs/smollm2-135m-dspark", help="Work root with prompts/.")
+    ap.add_argument("--drafter", default="runs/smollm2-135m-dspark/train-bench-dspark")
+    args = ap.parse_args()
+    rec = decode_rounds(args.config, args.work, args.drafter)
+    n = len(rec.confidences)
+    print(f"bench-calibration: {args.drafter}, {n} rounds of the calibrate stage's prompts; ECE in %, "
+          "pooled (per position 1..γ)")
+    raw, raw_per = pooled_ece(rec, rec.confidences)
+    sts = scale(rec.confidences, fit_sts(rec).temperatures)
+    platt = apply_platt(rec.confidences, fit_platt(rec))
+    (s, s_per), (p, p_per) = pooled_ece(rec, sts), pooled_ece(rec, platt)
+    print(f"  in-sample   raw {100 * raw:.2f} ({fmt(raw_per)})")
+    print(f"  in-sample   STS {100 * s:.2f} ({fmt(s_per)})")
+    print(f"  in-sample Platt {100 * p:.2f} ({fmt(p_per)})")
+    half = n // 2
+    for name, fit_idx, test_idx in (("first half → second", np.arange(half), np.arange(half, n)),
+                                    ("second half → first", np.arange(half, n), np.arange(half))):
+        fit_on, test_on = subset(rec, fit_idx), subset(rec, test_idx)
+        r, _ = pooled_ece(test_on, test_on.confidences)
+        s, s_per = pooled_ece(test_on, scale(test_on.confidences, fit_sts(fit_on).temperatures))
+        p, p_per = pooled_ece(test_on, apply_platt(test_on.confidences, fit_platt(fit_on)))
+        print(f"  cross-fitted {name}: raw {100 * r:.2f}, STS {100 * s:.2f} "
+              f"(position 1: {100 * s_per[0]:.1f}), Platt {100 * p:.2f} (position 1: {100 * p_per[0]:.1f})")
+
+
+if __name__ == "__main__":
+    main()
