@@ -34,22 +34,15 @@ OFFSETS = np.linspace(-3.0, 3.0, 61)
 
 
 def decode_rounds(config: str, work: str, drafter: str) -> RoundRecords:
-    """The calibrate stage's decoding, without its fit: every slot verified, one round per block."""
+    """The calibrate stage's rounds (its prompts and decoding), without its fit."""
     from dspark_cli.config import load_config
     from dspark_cli.decode.prompts import load_conversations
-    from dspark_cli.decode.report import records
-    from dspark_cli.decode.scheduler import Scheduler
-    from dspark_cli.decode.specdec import SpeculativeDecoder
-    from dspark_cli.decode.stages import load_models
+    from dspark_cli.decode.stages import calibration_rounds, load_models
 
     cfg = load_config(config, [f"pipeline.work_dir={work}"], extra={})
-    cal = cfg.calibrate
-    convs = load_conversations(f"{work}/prompts", cal.num_prompts, cal.split)
+    convs = load_conversations(f"{work}/prompts", cfg.calibrate.num_prompts, cfg.calibrate.split)
     model, tokenizer, model_drafter = load_models(cfg, cfg.target.model, drafter)
-    schedule = Scheduler("fixed", model_drafter.block_size)
-    decoder = SpeculativeDecoder(model, tokenizer, model_drafter, schedule, temperature=cal.temperature,
-                                 max_new_tokens=cal.max_new_tokens, thinking=cal.thinking, seed=cal.seed)
-    rec = records(decoder.run(convs, 1))
+    rec = calibration_rounds(cfg, model, tokenizer, model_drafter, convs)
     if rec is None:
         sys.exit(f"{drafter}: no rounds with confidences (does the drafter have a confidence head?)")
     return rec

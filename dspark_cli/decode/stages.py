@@ -18,7 +18,7 @@ from ..console import console
 from ..errors import DsparkError
 from ..schemas import validate
 from . import plots
-from .calibrate import fit_sts
+from .calibrate import RoundRecords, fit_sts
 from .prompts import dataset_name, load_conversations
 from .report import dataset_report, records
 from .scheduler import Scheduler
@@ -138,6 +138,16 @@ def run_eval(cfg: PipelineConfig, target: str, drafter_url: str, output_url: str
 
 # ---- calibrate -------------------------------------------------------------------------------
 
+def calibration_rounds(cfg: PipelineConfig, model: Any, tokenizer: Any, drafter: Any,
+                       convs: list) -> RoundRecords | None:
+    """The rounds STS is fitted on: every slot verified (fixed schedule), `[calibrate]` sampling."""
+    cal = cfg.calibrate
+    decoder = SpeculativeDecoder(model, tokenizer, drafter, Scheduler("fixed", drafter.block_size),
+                                 temperature=cal.temperature, max_new_tokens=cal.max_new_tokens,
+                                 thinking=cal.thinking, seed=cal.seed)
+    return records(decoder.run(convs, 1))
+
+
 def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_url: str, output_url: str,
                   force: bool = False) -> dict[str, Any] | None:
     """Decode held-out prompts with full verification, fit STS, write calibration.json + plot."""
@@ -159,11 +169,7 @@ def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_ur
         run.finish({"rounds": 0, "conversations": 0}, extra={"skipped": "no confidence head"})
         return {"skipped": "no confidence head"}
     console.print(f"  decoding {len(convs)} held-out conversations, γ={drafter.block_size} all verified")
-    decoder = SpeculativeDecoder(model, tokenizer, drafter, Scheduler("fixed", drafter.block_size),
-                                 temperature=cal.temperature, max_new_tokens=cal.max_new_tokens,
-                                 thinking=cal.thinking, seed=cal.seed)
-    stats = decoder.run(convs, 1)
-    rec = records(stats)
+    rec = calibration_rounds(cfg, model, tokenizer, drafter, convs)
     if rec is None or len(rec.confidences) == 0:
         raise DsparkError(f"{dataset_url}: decoding produced no rounds to calibrate on.")
     fit = fit_sts(rec, cal.t_min, cal.t_max, cal.t_steps, cal.ece_bins)

@@ -122,12 +122,40 @@ def _fused_vocab_terms(lm_head: torch.Tensor, markov_w2: torch.Tensor | None, hi
     return ce_sum, tv_sum, c_star, (grad_hidden, grad_z, grad_w2)
 
 
-def compute_dtype() -> torch.dtype | None:
-    """The autocast dtype of the current device type's autocast region, None outside one."""
-    for device_type in ("cuda", "cpu"):
-        if torch.is_autocast_enabled(device_type):
-            return torch.get_autocast_dtype(device_type)
-    return None
+def compute_dtype(device_type: str) -> torch.dtype | None:
+    """The autocast dtype for tensors on `device_type`, None outside an autocast region."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def _vocab_chunks(lm_head: torch.Tensor, w2_compute: torch.Tensor | None, hidden: torch.Tensor,
+                  z: torch.Tensor | None, target_hidden: torch.Tensor, labels: torch.Tensor,
+                  weight: torch.Tensor, ce_coef: float, tv_coef: float, chunk: int, need_grad: bool,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+    """`_fused_vocab_terms` over blocks `chunk` at a time → (ΣwCE, ΣwTV, c* [N, γ], grads).
+
+    grads = (∂/∂hidden [N, γ, d], ∂/∂z, ∂/∂W2 summed over chunks in float32), None when not
+    need_grad; only one chunk's vocabulary-wide buffers exist at a time.
+    """
+    grad_hidden = torch.empty_like(hidden) if need_grad else None
+    grad_z = torch.empty_like(z) if need_grad and z is not None else None
+    grad_w2 = None
+    ce_sum = tv_sum = hidden.new_zeros((), dtype=torch.float32)
+    c_star = []
+    for a in range(0, hidden.shape[0], chunk):
+        sl = slice(a, a + chunk)
+        ce, tv, cs, grads = _fused_vocab_terms(
+            lm_head, w2_compute, hidden[sl].detach(), z[sl].detach() if z is not None else None,
+            target_hidden[sl], labels[sl], weight[sl], ce_coef, tv_coef, need_grad)
+        if need_grad:
+            grad_hidden[sl] = grads[0]
+            if z is not None:
+                grad_z[sl] = grads[1]
+                g = grads[2].float()
+                grad_w2 = g if grad_w2 is None else grad_w2.add_(g)
+        ce_sum, tv_sum = ce_sum + ce, tv_sum + tv
+        c_star.append(cs)
+    grads = (grad_hidden, grad_z, grad_w2) if need_grad else None
+    return ce_sum, tv_sum, torch.cat(c_star), grads
 
 
 class _ChunkedVocab(torch.autograd.Function):
@@ -143,26 +171,13 @@ class _ChunkedVocab(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, z, markov_w2, lm_head, w2_compute, target_hidden, labels, weight, ce_coef,
                 tv_coef, chunk):
-        grad_hidden = torch.empty_like(hidden)
-        grad_z = torch.empty_like(z) if z is not None else None
-        grad_w2 = None
-        ce_sum = tv_sum = hidden.new_zeros((), dtype=torch.float32)
-        c_star = []
-        for a in range(0, hidden.shape[0], chunk):
-            sl = slice(a, a + chunk)
-            ce, tv, cs, grads = _fused_vocab_terms(
-                lm_head, w2_compute, hidden[sl].detach(), z[sl].detach() if z is not None else None,
-                target_hidden[sl], labels[sl], weight[sl], ce_coef, tv_coef, need_grad=True)
-            grad_hidden[sl] = grads[0]
-            if z is not None:
-                grad_z[sl] = grads[1]
-                g = grads[2].to(markov_w2.dtype)
-                grad_w2 = g if grad_w2 is None else grad_w2.add_(g)
-            ce_sum, tv_sum = ce_sum + ce, tv_sum + tv
-            c_star.append(cs)
+        ce_sum, tv_sum, c_star, (grad_hidden, grad_z, grad_w2) = _vocab_chunks(
+            lm_head, w2_compute, hidden, z, target_hidden, labels, weight, ce_coef, tv_coef, chunk,
+            need_grad=True)
         ctx.has_z = z is not None
-        ctx.save_for_backward(grad_hidden, *((grad_z, grad_w2) if z is not None else ()))
-        c_star = torch.cat(c_star)
+        if ctx.has_z:
+            grad_w2 = grad_w2.to(markov_w2.dtype)
+        ctx.save_for_backward(grad_hidden, *((grad_z, grad_w2) if ctx.has_z else ()))
         ctx.mark_non_differentiable(ce_sum, tv_sum, c_star)
         return ce_coef * ce_sum + tv_coef * tv_sum, ce_sum, tv_sum, c_star
 
@@ -211,20 +226,14 @@ class DrafterLoss(nn.Module):
                                                   batch.labels, weight)
             vocab_objective = w.ce * ce_sum + w.tv * tv_sum
         else:
-            head = self.head_for_matmul(compute_dtype())
+            head = self.head_for_matmul(compute_dtype(hidden.device.type))
             w2_compute = w2.detach().to(head.dtype) if w2 is not None else None
+            rest = (batch.target_hidden, batch.labels, weight, w.ce, w.tv, step)
             if torch.is_grad_enabled():
                 vocab_objective, ce_sum, tv_sum, c_star = _ChunkedVocab.apply(
-                    hidden, z, w2, head, w2_compute, batch.target_hidden, batch.labels, weight, w.ce, w.tv,
-                    step)
+                    hidden, z, w2, head, w2_compute, *rest)
             else:
-                parts = [_fused_vocab_terms(head, w2_compute, hidden[a:a + step],
-                                            z[a:a + step] if z is not None else None,
-                                            batch.target_hidden[a:a + step], batch.labels[a:a + step],
-                                            weight[a:a + step], w.ce, w.tv, need_grad=False)
-                         for a in range(0, N, step)]
-                ce_sum, tv_sum = sum(p[0] for p in parts), sum(p[1] for p in parts)
-                c_star = torch.cat([p[2] for p in parts])
+                ce_sum, tv_sum, c_star, _ = _vocab_chunks(head, w2_compute, hidden, z, *rest, need_grad=False)
                 vocab_objective = w.ce * ce_sum + w.tv * tv_sum
         supervised = batch.valid.float()  # [N, γ]
         if d.confidence_head is not None:
