@@ -102,7 +102,12 @@ def main() -> None:
     ap.add_argument("--work", default="runs/smollm2-135m-dspark", help="Work root with prompts/.")
     ap.add_argument("--drafter", default="runs/smollm2-135m-dspark/train-bench-dspark")
     args = ap.parse_args()
-    rec = decode_rounds(args.config, args.work, args.drafter)
+    from dspark_cli.errors import DsparkError
+
+    try:
+        rec = decode_rounds(args.config, args.work, args.drafter)
+    except DsparkError as e:  # e.g. no bench-quality drafter yet
+        sys.exit(f"error: {e}\nhint: run `make bench-quality` first, or pass --drafter and --work.")
     n = len(rec.confidences)
     print(f"bench-calibration: {args.drafter}, {n} rounds of the calibrate stage's prompts; ECE in %, "
           "pooled (per position 1..γ)")
