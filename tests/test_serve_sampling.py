@@ -39,6 +39,29 @@ def test_rows_use_their_own_params_and_generators():
     assert (freq - LOGITS.exp()[0]).abs().max() < 0.07  # unfiltered T=1 follows the distribution
 
 
+def test_unfiltered_and_filtered_rows_in_one_batch_follow_their_own_distributions():
+    """Rows that filter nothing skip the sort (the fast path); a filtered row beside them still
+    draws from its filtered distribution, and the temperature applies to both."""
+    logits = LOGITS.repeat(2, 1)  # [2, 4]
+    params = [SamplingParams(temperature=2.0), SamplingParams(temperature=2.0, top_p=0.6)]
+    assert not params[0].filters(4) and params[1].filters(4)
+    counts = torch.zeros(2, 4)
+    for seed in range(600):
+        tokens = sample(logits, params, [torch.Generator().manual_seed(seed) for _ in range(2)])
+        counts[0, tokens[0]] += 1
+        counts[1, tokens[1]] += 1
+    freq = counts / counts.sum(dim=1, keepdim=True)
+    hot = (LOGITS[0] / 2.0).softmax(dim=-1)  # ≈ [0.35, 0.25, 0.19, 0.16]: T = 2 flattens
+    assert (freq[0] - hot).abs().max() < 0.06
+    kept = hot[:2] / hot[:2].sum()  # top-p 0.6 over the T = 2 distribution keeps the best two
+    assert (freq[1, :2] - kept).abs().max() < 0.06 and freq[1, 2:].sum() == 0
+
+
+def test_filters_says_whether_anything_is_removed():
+    assert not SamplingParams(top_k=-1).filters(4) and not SamplingParams(top_k=4).filters(4)
+    assert SamplingParams(top_k=3).filters(4) and SamplingParams(min_p=0.1).filters(4)
+
+
 def test_same_seed_same_draw_regardless_of_batch_mates():
     p = SamplingParams(temperature=1.0)
     alone = sample(LOGITS, [p], [torch.Generator().manual_seed(5)])
