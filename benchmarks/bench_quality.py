@@ -32,6 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from dspark_cli.decode.report import accepted_lengths, macro_ratio_interval  # noqa: E402
+
 DSPARK_CFG = "pipelines/smollm2-135m.toml"
 DFLASH_CFG = "pipelines/smollm2-135m-dflash.toml"
 TARGET = "runs/models/smollm2-135m-instruct"
@@ -149,14 +151,18 @@ def summarise(root: Path, timings: dict[str, float] | None) -> dict:
         taus[m]["macro"] = macro([taus[m][n] for n in names])
     ratio = {n: (taus["dspark"][n] / taus["dflash"][n]) if taus["dflash"].get(n) else None
              for n in [*names, "macro"]}
+    lengths = {m: [accepted_lengths(d["position_acceptance"], d["rounds"]) for d in r["datasets"]]
+               for m, r in reports.items()}
     cal_path = calibration_dir(root) / "calibration.json"
     cal = json.loads(cal_path.read_text()) if cal_path.is_file() else {}
     speed = {d["name"]: d["tokens_per_second"] for d in reports["dspark"]["datasets"]}
     summary = {
         "work_dir": str(root), "datasets": names, "tau": taus, "ratio": ratio,
+        "ratio_macro_interval95": macro_ratio_interval(lengths["dspark"], lengths["dflash"]),
         "conditional_acceptance": {m: mean_conditional(r) for m, r in reports.items()},
         "ece_before": cal.get("ece_before"), "ece_after": cal.get("ece_after"),
         "calibration_samples": cal.get("num_samples"), "tokens_per_second": speed,
+        "ece_by_position": [(p["ece_before"], p["ece_after"]) for p in cal.get("per_position", [])],
         "conversations": {d["name"]: d["conversations"] for d in reports["dspark"]["datasets"]},
         "max_new_tokens": reports["dspark"]["max_new_tokens"],
         "temperature": reports["dspark"]["temperature"],
@@ -210,14 +216,18 @@ def markdown(summary: dict) -> str:
     for m, label in (("dflash", "DFlash"), ("dspark", "DSpark")):
         cond.append(f"| {label} | " + " | ".join(fmt(c) for c in summary["conditional_acceptance"][m]) + " |")
     convs = ", ".join(f"{display(n)} {c}" for n, c in summary["conversations"].items())
+    low, high = summary["ratio_macro_interval95"]
     return "\n".join([
         f"τ (accepted tokens per verification incl. the bonus token), T={summary['temperature']}, "
         f"γ=7, max_new_tokens={summary['max_new_tokens']}, conversations: {convs}",
         "", head, rule, *rows, "",
+        f"Macro ratio, 95% bootstrap over rounds: {low:.3f}–{high:.3f} (rounds of one conversation are "
+        "not independent, so the true interval is if anything wider).", "",
         "Conditional acceptance by position (pooled over datasets):", "", *cond, "",
         f"STS calibration of the DSpark confidence head: ECE {fmt(summary['ece_before'], '{:.2%}')} → "
         f"{fmt(summary['ece_after'], '{:.2%}')} ({summary['calibration_samples']} rounds of held-out "
-        "validation prompts).",
+        "validation prompts); by position, after STS: "
+        + " ".join(fmt(after, "{:.1%}") for _, after in summary.get("ece_by_position", [])) + ".",
         f"Plot: {summary['plot']}",
     ])
 

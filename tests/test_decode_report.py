@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
-from dspark_cli.decode.report import position_acceptance, tau_from_conditional
+from dspark_cli.decode.report import (
+    accepted_lengths,
+    macro_ratio_interval,
+    position_acceptance,
+    tau_from_conditional,
+)
 from dspark_cli.decode.specdec import DecodeStats, RoundLog
 
 
@@ -33,3 +39,32 @@ def test_tau_from_measured_conditionals_equals_measured_tau():
     conditional = position_acceptance(stats)["conditional"]
     assert tau_from_conditional(conditional) == pytest.approx(measured)
     assert tau_from_conditional(conditional, first=1.0) > measured
+
+
+def _stats(p_first: float, p_later: float, rounds: int, seed: int, gamma: int = 7) -> DecodeStats:
+    rng = random.Random(seed)
+    stats = DecodeStats(gamma=gamma)
+    for _ in range(rounds):
+        accepted = 0
+        while accepted < gamma and rng.random() < (p_later if accepted else p_first):
+            accepted += 1
+        stats.rounds.append(RoundLog(verified=gamma, accepted=accepted, confidences=None))
+    return stats
+
+
+def test_accepted_lengths_rebuild_every_round_from_the_position_counts():
+    stats = _stats(0.3, 0.6, 400, seed=1)
+    lengths = accepted_lengths(position_acceptance(stats), len(stats.rounds))
+    assert sorted(lengths.tolist()) == sorted(r.accepted for r in stats.rounds)
+
+
+def test_macro_ratio_interval_holds_the_point_and_narrows_with_rounds():
+    def lengths(p_first: float, rounds: int, seed: int) -> np.ndarray:
+        stats = _stats(p_first, 0.5, rounds, seed)
+        return accepted_lengths(position_acceptance(stats), rounds)
+
+    few = macro_ratio_interval([lengths(0.4, 200, 1)], [lengths(0.3, 200, 2)], draws=400)
+    many = macro_ratio_interval([lengths(0.4, 5000, 3)], [lengths(0.3, 5000, 4)], draws=400)
+    true_ratio = tau_from_conditional([0.4] + [0.5] * 6) / tau_from_conditional([0.3] + [0.5] * 6)
+    assert many[0] < true_ratio < many[1]
+    assert many[1] - many[0] < 0.5 * (few[1] - few[0])

@@ -43,6 +43,33 @@ def tau_from_conditional(conditional: list[float | None], first: float | None = 
     return tau
 
 
+def accepted_lengths(position: dict[str, list], rounds: int) -> np.ndarray:
+    """Accepted draft tokens per round, rebuilt from a report's position counts → int [rounds].
+
+    Slot k is counted accepted in exactly the rounds that accepted more than k tokens, so the
+    rounds with j accepted are accepted[j−1] − accepted[j]. Exact when every round verifies all γ
+    slots (the fixed schedule); its mean + 1 is the report's τ.
+    """
+    at_least = [rounds, *position["accepted"], 0]  # rounds with ≥ j accepted, j = 0..γ+1
+    counts = [at_least[j] - at_least[j + 1] for j in range(len(at_least) - 1)]
+    return np.repeat(np.arange(len(counts)), counts)
+
+
+def macro_ratio_interval(numerator: list[np.ndarray], denominator: list[np.ndarray],
+                         draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of macro τ(numerator) / macro τ(denominator), one array of accepted
+    lengths per dataset, resampling rounds. Rounds of one conversation are not independent, so
+    the true interval is if anything wider: it says how far one run can be trusted, not more."""
+    rng = np.random.default_rng(seed)
+
+    def macro_tau(sets: list[np.ndarray]) -> float:
+        return float(np.mean([1.0 + rng.choice(a, a.size).mean() for a in sets]))
+
+    ratios = [macro_tau(numerator) / macro_tau(denominator) for _ in range(draws)]
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return float(low), float(high)
+
+
 def records(stats: DecodeStats) -> RoundRecords | None:
     """Rounds that carry confidences, in the form calibration and the sweep read."""
     rows = [r for r in stats.rounds if r.confidences is not None]
