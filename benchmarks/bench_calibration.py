@@ -33,6 +33,10 @@ SLOPES = np.geomspace(0.1, 10.0, 41)
 OFFSETS = np.linspace(-3.0, 3.0, 61)
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
 def decode_rounds(config: str, work: str, drafter: str) -> RoundRecords:
     """The calibrate stage's rounds (its prompts and decoding), without its fit."""
     from dspark_cli.config import load_config
@@ -72,19 +76,19 @@ def fit_platt(rec: RoundRecords, bins: int = 15) -> list[tuple[float, float]]:
         labels = labels_all[rows, k]
         best, chosen = np.inf, (1.0, 0.0)
         for a in SLOPES:
-            candidates = 1.0 / (1.0 + np.exp(-(a * logits[rows, k][None, :] + OFFSETS[:, None])))
+            candidates = sigmoid(a * logits[rows, k][None, :] + OFFSETS[:, None])
             for j, b in enumerate(OFFSETS):
                 err = ece(prefix[rows] * candidates[j], labels, bins) if labels.size else 0.0
                 if err < best:
                     best, chosen = err, (float(a), float(b))
         params.append(chosen)
-        prefix = prefix / (1.0 + np.exp(-(chosen[0] * logits[:, k] + chosen[1])))
+        prefix = prefix * sigmoid(chosen[0] * logits[:, k] + chosen[1])
     return params
 
 
 def apply_platt(confidences: np.ndarray, params: list[tuple[float, float]]) -> np.ndarray:
     logits = logit(confidences)
-    columns = [1.0 / (1.0 + np.exp(-(a * logits[:, k] + b))) for k, (a, b) in enumerate(params)]
+    columns = [sigmoid(a * logits[:, k] + b) for k, (a, b) in enumerate(params)]
     return np.stack(columns, axis=1)
 
 

@@ -227,7 +227,7 @@ def markdown(summary: dict) -> str:
         f"STS calibration of the DSpark confidence head: ECE {fmt(summary['ece_before'], '{:.2%}')} → "
         f"{fmt(summary['ece_after'], '{:.2%}')} ({summary['calibration_samples']} rounds of held-out "
         "validation prompts); by position, after STS: "
-        + " ".join(fmt(after, "{:.1%}") for _, after in summary.get("ece_by_position", [])) + ".",
+        + " ".join(fmt(after, "{:.1%}") for _, after in summary["ece_by_position"]) + ".",
         f"Plot: {summary['plot']}",
     ])
 

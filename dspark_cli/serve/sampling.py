@@ -38,9 +38,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def kept_top_k(self, vocab_size: int) -> int:
+        """How many best tokens top-k keeps: all of them when it is off (0, -1 or ≥ vocab_size)."""
+        return self.top_k if 0 < self.top_k < vocab_size else vocab_size
+
     def filters(self, vocab_size: int) -> bool:
         """Whether top-k, top-p or min-p removes anything from a `vocab_size` distribution."""
-        return 0 < self.top_k < vocab_size or self.top_p < 1.0 or self.min_p > 0.0
+        return self.kept_top_k(vocab_size) < vocab_size or self.top_p < 1.0 or self.min_p > 0.0
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
@@ -81,7 +85,7 @@ def _sorted_filtered_probs(logits: torch.Tensor,
     K is the largest top-k of the batch (the whole vocabulary when some row disables top-k).
     """
     B, V = logits.shape
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params])  # [B]
+    top_k = torch.tensor([p.kept_top_k(V) for p in params])  # [B]
     top_p = torch.tensor([p.top_p for p in params])  # [B]
     min_p = torch.tensor([p.min_p for p in params])  # [B]
     K = int(top_k.max())
