@@ -63,13 +63,27 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("interrupted; rerun the same command to resume.", file=sys.stderr)
         sys.exit(130)
-    except Exception as e:  # click usage errors
-        import click
+    except _click_exceptions() as e:  # usage errors: click's one-line message + usage, exit 2
+        e.show()
+        sys.exit(e.exit_code)
 
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        raise
+
+def _click_exceptions() -> tuple[type[Exception], ...]:
+    """Click's exception base and, for typer >= 0.25 (which bundles its own copy), typer's.
+
+    The two are unrelated classes, so catching only `click.ClickException` let every usage error
+    of a newer typer escape as a traceback.
+    """
+    import click
+
+    found: list[type[Exception]] = [click.exceptions.ClickException]
+    try:
+        from typer._click.exceptions import ClickException as TyperClickException
+    except ImportError:
+        pass
+    else:
+        found.append(TyperClickException)
+    return tuple(found)
 
 
 if __name__ == "__main__":
