@@ -5,9 +5,15 @@ from __future__ import annotations
 import torch
 
 from dspark_cli.serve.engine import Engine, Sequence, _held_back
-from dspark_cli.serve.sampling import SamplingParams, filtered_probs, sample
+from dspark_cli.serve.sampling import SamplingParams, _sorted_filtered_probs, sample
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.10]]))  # [1, 4]
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """What `sample` draws filtered rows from, scattered back over the vocabulary → [B, V]."""
+    probs, order = _sorted_filtered_probs(logits, params)
+    return torch.zeros_like(logits).scatter_(-1, order, probs)
 
 
 def test_top_k_keeps_the_k_best():

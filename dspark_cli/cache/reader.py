@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import manifest, storage
+from .. import manifest
 from ..errors import DsparkError
 from . import fp8, store
 
@@ -221,10 +221,3 @@ class ShardLocalSampler(torch.utils.data.Sampler[int]):
         self.dataset.set_order(order)
         return iter(order)
 
-
-def open_cache(url: str, **kwargs: Any) -> CacheDataset:
-    """Alias kept for readability at call sites: `open_cache(url, split='train')`."""
-    if not storage.exists(storage.join(url, manifest.MANIFEST_NAME)):
-        raise DsparkError(f"{url}: no cache here (manifest.json missing).",
-                          hint="run `dspark cache build` first.")
-    return CacheDataset(url, **kwargs)

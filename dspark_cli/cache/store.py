@@ -148,17 +148,6 @@ def write_shard(url: str, objects: dict[str, bytes], payload: dict[str, Any]) ->
     storage.commit(url, payload)
 
 
-def clean_partial(url: str) -> int:
-    """Remove temporary shard directories a killed local build left behind; returns how many."""
-    root = storage.join(url, SHARDS_DIR)
-    removed = 0
-    for name in storage.listdir(root):
-        if name.startswith(storage.TMP_PREFIX):
-            storage.remove(storage.join(root, name))
-            removed += 1
-    return removed
-
-
 def read_objects(url: str) -> dict[str, bytes]:
     """Every stored object of a shard (relative key → bytes), the marker excluded."""
     fs, path = storage.url_to_fs(url)
@@ -197,10 +186,6 @@ def shard_arrays(url: str) -> tuple[dict[str, zarr.Array], dict[str, Any]]:
     # Opened by name, not listed: listing would trip over the commit marker inside the group.
     names = ARRAYS_FP8 if attrs.get("storage_dtype") == "fp8" else ARRAYS_BF16
     return {name: group[name] for name in names}, attrs
-
-
-def list_committed(url: str, num_shards: int) -> list[int]:
-    return [k for k in range(num_shards) if storage.is_committed(shard_url(url, k))]
 
 
 def verify_shard(url: str, expected: dict[str, Any], width: int, d: int, storage_dtype: str) -> str | None:

@@ -72,12 +72,6 @@ def _temperatures(params: list[SamplingParams], rows: list[int]) -> torch.Tensor
     return torch.tensor([params[r].temperature for r in rows])[:, None]
 
 
-def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Softmax after top-k, top-p and min-p masking. logits: [B, V] float32 → probs [B, V]."""
-    probs, order = _sorted_filtered_probs(logits, params)
-    return torch.zeros_like(logits).scatter_(-1, order, probs)
-
-
 def _sorted_filtered_probs(logits: torch.Tensor,
                            params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
     """Filtered probabilities over each row's best tokens, best first: (probs [B, K], ids [B, K]).
