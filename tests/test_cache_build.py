@@ -145,6 +145,14 @@ def test_fp8_storage_is_smaller_and_close(local_cache, tiny_qwen3_target, respon
         assert (a - b).norm() / b.norm() < 0.05
         fa, fb = q[i]["final_hidden"].float(), exact[i]["final_hidden"].float()
         assert (fa - fb).norm() / fb.norm() < 0.05
+    # build and estimate count the fp8 layout's bytes with one formula
+    result = invoke("estimate", "--responses", responses, "--target", str(tiny_qwen3_target), "--layers",
+                    "1,9,17,25,33", "--json", "--set", "cache.min_loss_tokens=8",
+                    "--set", "cache.storage_dtype='fp8'")
+    assert result.exit_code == 0, result.output
+    import json
+
+    assert json.loads(result.stdout)["uncompressed_bytes"] == fp8["raw_bytes"] < ref["raw_bytes"]
 
 
 def test_two_workers_fill_one_cache_and_the_last_finalizes(local_cache, tiny_qwen3_target, responses,

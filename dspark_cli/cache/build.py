@@ -237,7 +237,7 @@ class ShardWriter:
         attrs = {"shard_index": job.index, "layers": self.layers, "storage_dtype": c.storage_dtype}
         objects = store.encode_shard(data, c.storage_dtype, c.compression, CHUNK_TOKENS, attrs)
         n_tok, n_loss = int(data.offsets[-1]), int(data.final_offsets[-1])
-        raw = n_tok * (4 + 1 + 2 * len(self.layers) * d) + n_loss * 2 * d
+        raw = store.layout_bytes(n_tok, n_loss, len(self.layers), d, c.storage_dtype)
         stored = sum(len(b) for b in objects.values())
         validation = [j for j, sp in enumerate(data.splits) if sp == "validation"]
         payload = {
@@ -389,7 +389,7 @@ def finalize_cache(output_url: str, strict: bool = True, timings: dict[str, floa
         "num_samples": sum(s["num_samples"] for s in shards), "num_tokens": tokens,
         "num_loss_tokens": sum(s["num_loss_tokens"] for s in shards), "bytes": stored,
         "raw_bytes": sum(s["raw_bytes"] for s in shards),
-        "reference_bytes": tokens * (6 + 2 * d * (m + 1)),
+        "reference_bytes": store.reference_bytes(tokens, m, d),
         "shards": [{k: s[k] for k in ("index", "name", "num_samples", "num_tokens", "num_loss_tokens",
                                       "bytes", "raw_bytes", "checksums", "validation_samples")}
                    for s in shards],

@@ -10,19 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import PipelineConfig
+from . import store
 from .build import INPUT_COLUMNS, load_target_config, render_rows
 from .target import hidden_size, num_target_layers, resolve_layers
 
 #: Measured stored/raw ratios of the hidden-state arrays (see docs/cache.md).
 EXPECTED_RATIO = {("bf16", "blosc"): 1 / 1.30, ("bf16", "zstd"): 1 / 1.24, ("bf16", "none"): 1.0,
                   ("fp8", "blosc"): 1 / 1.18, ("fp8", "zstd"): 1 / 1.18, ("fp8", "none"): 1.0}
-
-
-def layout_bytes(tokens: int, loss_tokens: int, m: int, d: int, storage_dtype: str) -> int:
-    """Uncompressed bytes of our layout: ids + mask per token, m layers per token, final per loss token."""
-    if storage_dtype == "fp8":
-        return tokens * (4 + 1 + m * d + 2 * m) + loss_tokens * (d + 2)
-    return tokens * (4 + 1 + 2 * m * d) + loss_tokens * 2 * d
 
 
 def estimate_cache(cfg: PipelineConfig, responses_url: str, sample: int = 2000) -> dict[str, Any]:
@@ -45,9 +39,9 @@ def estimate_cache(cfg: PipelineConfig, responses_url: str, sample: int = 2000) 
     scale = total_rows / max(1, len(rows))
     tokens = int(sum(len(s.input_ids) for s in samples) * scale)
     loss = int(sum(sum(s.loss_mask) for s in samples) * scale)
-    raw = layout_bytes(tokens, loss, m, d, cfg.cache.storage_dtype)
+    raw = store.layout_bytes(tokens, loss, m, d, cfg.cache.storage_dtype)
     expected = int(raw * EXPECTED_RATIO[(cfg.cache.storage_dtype, cfg.cache.compression)])
-    reference = tokens * (6 + 2 * d * (m + 1))
+    reference = store.reference_bytes(tokens, m, d)
     return {"rows": total_rows, "rendered_rows": len(rows), "samples": int(len(samples) * scale),
             "skipped": {k: int(v * scale) for k, v in skipped.items()}, "tokens": tokens,
             "loss_tokens": loss, "layers": layers, "hidden_size": d, "storage_dtype": cfg.cache.storage_dtype,

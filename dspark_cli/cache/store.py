@@ -60,6 +60,19 @@ def compressors(kind: str, typesize: int) -> list[Any]:
     raise DsparkError(f"cache.compression {kind!r}: must be zstd, blosc or none.")
 
 
+def layout_bytes(tokens: int, loss_tokens: int, m: int, d: int, storage_dtype: str) -> int:
+    """Uncompressed bytes of this layout: ids + mask per token, m layers per token (plus their
+    scales in fp8), the final state per loss token. What build records and estimate predicts."""
+    if storage_dtype == "fp8":
+        return tokens * (4 + 1 + m * d + 2 * m) + loss_tokens * (d + 2)
+    return tokens * (4 + 1 + 2 * m * d) + loss_tokens * 2 * d
+
+
+def reference_bytes(tokens: int, m: int, d: int) -> int:
+    """The reference layout's bytes (ids, mask, m layers and the final state per token, bf16)."""
+    return tokens * (6 + 2 * d * (m + 1))
+
+
 @dataclass
 class ShardData:
     """One shard's samples, already concatenated token-major (numpy, storage dtypes)."""
