@@ -335,10 +335,34 @@ def test_store_views_hide_resolved_errors_and_never_reuse_a_batch_index(memory_u
     # a reader between that commit and compaction already sees x resolved, y's latest record only
     assert [(e["id"], e["attempts"]) for e in store.error_view()] == [("y", 9)]
     assert store.scan().errors == {"y"} and store.scan().settled == {"a", "x", "y"}
-    assert store.compact() == (1, 0)
+    finished = store.finish()
+    assert (finished.counts["errors"], finished.counts["rejected"]) == (1, 0)
+    assert finished.settled == {"a", "x", "y"}
     assert io.list_shards(storage.join(memory_url, "errors")) == [storage.join(memory_url, "errors",
                                                                                "part-00002.parquet")]
     assert store.scan().next_index == 4
+
+
+def test_regen_reads_its_output_once_at_the_end(tmp_path, fixture_server, monkeypatch):
+    """Finalising (views, pruning, the settled check, the manifest counts) is one read per file."""
+    extra = [{"id": "bad1", "turns": ["Refuse me [bad-request]"]}, {"id": "t1", "turns": ["Long [truncate]"]}]
+    prompts = _prompts(tmp_path, 30, extra)
+    out = tmp_path / "responses"
+    reads: dict[str, int] = {}
+    read_bytes = storage.read_bytes
+
+    def counting(url: str) -> bytes:
+        if str(out) in url:
+            reads[url] = reads.get(url, 0) + 1
+        return read_bytes(url)
+
+    monkeypatch.setattr(storage, "read_bytes", counting)
+    counts = regen(_cfg(fixture_server, "regen.batch_rows=8"), prompts, str(out)).counts
+    assert (counts["responses"], counts["errors"], counts["rejected"]) == (30, 1, 1)
+    batches = [str(p) for d in ("data", "errors", "rejected") for p in (out / d).glob("part-*.parquet")]
+    assert len(batches) >= 5 and set(reads) == set(batches)  # nothing else of the output is read
+    assert set(reads.values()) == {1}, reads  # each batch file once (none existed at the start)
+    _check_complete(prompts, str(out))
 
 
 def test_partial_batches_are_committed_every_flush_seconds(tmp_path, fixture_server):

@@ -306,25 +306,6 @@ def _prompt_ids(input_url: str) -> list[str]:
     return [row["id"] for row in io.read_rows(input_url, columns=["id"])]
 
 
-def _totals(store: ResponseStore) -> dict[str, Any]:
-    """Counts over the whole output (all runs), for the manifest."""
-    ok = [row for _i, row in io.iter_dir_rows(store.data_url, ["id", "prompt_tokens", "completion_tokens"])]
-    rejected = store.rejected_rows()
-    reasons: dict[str, int] = {}
-    for row in rejected:
-        reasons[row["reason"]] = reasons.get(row["reason"], 0) + 1
-    return {
-        "responses": len(ok),
-        "rejected": len(rejected),
-        "rejected_truncated": reasons.get("truncated", 0),
-        "rejected_empty": reasons.get("empty", 0),
-        "errors": len(store.error_view()),
-        "prompt_tokens": sum(r["prompt_tokens"] for r in ok),
-        "completion_tokens": sum(r["completion_tokens"] for r in ok),
-        "shards": len(io.list_shards(store.data_url)),
-    }
-
-
 def regen(cfg: PipelineConfig, input_url: str | None = None, output_url: str | None = None,
           force: bool = False, retry_errors: bool = False, show_progress: bool | None = None) -> RegenResult:
     """Run the regen stage: prompts at input_url (default `<work_dir>/prompts`) → responses."""
@@ -369,12 +350,12 @@ def regen(cfg: PipelineConfig, input_url: str | None = None, output_url: str | N
                 asyncio.run(_run(job, s, key))
             except BaseExceptionGroup as group:  # a worker or the writer failed: show that error
                 raise _first_leaf(group) from None
-    store.compact()
-    unsettled = set(ids) - store.scan().settled
+    final = store.finish()  # the one read of the whole output
+    unsettled = set(ids) - final.settled
     if unsettled:  # only a bug could get here: never mark the stage done over missing prompts
         raise DsparkError(f"{output_url}: {len(unsettled)} prompts have no result after the run "
                           f"(e.g. {sorted(unsettled)[0]!r}); rerun to complete them.")
-    totals = _totals(store)
+    totals = dict(final.counts)
     totals["prompts"] = len(set(ids))
     totals["requests_this_run"] = counters.requests
     totals["retries_this_run"] = counters.retries

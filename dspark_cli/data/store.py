@@ -4,7 +4,8 @@ never yields one twice.
     {url}/data/part-NNNNN.parquet      responses of batch N (contract 2, read by read_rows)
     {url}/rejected/part-NNNNN.parquet  answers of batch N set aside by the truncated/empty policy
     {url}/errors/part-NNNNN.parquet    prompts of batch N whose request failed for good
-    {url}/rejected.parquet, errors.parquet   compacted views, rewritten when a run ends
+    {url}/rejected.parquet, errors.parquet   compacted views, rewritten when a run ends (`finish`,
+                                       which reads each committed file once)
 
 Every prompt of a run lands in exactly one file of exactly one batch, and each file is written
 whole (temporary name, then rename; one PUT on object stores). A batch index is never reused, so a
@@ -16,6 +17,7 @@ data or rejected and keeps only the latest record per id, so readers never see a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,20 @@ class StoreState:
     rejected: set[str] = field(default_factory=set)
     errors: set[str] = field(default_factory=set)  # unresolved ones only
     next_index: int = 0
+
+    @property
+    def settled(self) -> set[str]:
+        return self.ok | self.rejected | self.errors
+
+
+@dataclass
+class OutputSummary:
+    """The whole output after a run, from one read of each file: settled ids and manifest counts."""
+
+    ok: set[str]
+    rejected: set[str]
+    errors: set[str]  # unresolved ones only
+    counts: dict[str, Any]
 
     @property
     def settled(self) -> set[str]:
@@ -81,29 +97,32 @@ class ResponseStore:
     def _latest_errors(self) -> dict[str, tuple[int, dict[str, Any]]]:
         """id → (batch index, record) of the latest error per id, minus ids answered or rejected."""
         resolved = self._ids(self.data_url)[0] | self._ids(self.rejected_url)[0]
-        latest: dict[str, tuple[int, dict[str, Any]]] = {}
-        for index, row in io.iter_dir_rows(self.errors_url):
-            if row["id"] not in resolved:
-                latest[row["id"]] = (index, row)  # shards come in index order: later wins
-        return latest
+        return _latest(io.iter_dir_rows(self.errors_url), resolved)
 
     def error_view(self) -> list[dict[str, Any]]:
         """Unresolved errors: the latest record per id, minus ids now answered or rejected."""
         return [row for _index, row in self._latest_errors().values()]
 
-    def rejected_rows(self) -> list[dict[str, Any]]:
-        return [row for _index, row in io.iter_dir_rows(self.rejected_url)]
-
-    def compact(self) -> tuple[int, int]:
-        """Write errors.parquet / rejected.parquet views and prune resolved error records.
+    def finish(self) -> OutputSummary:
+        """Read every committed file once: write the errors.parquet / rejected.parquet views, prune
+        resolved error records, and return the settled ids and the manifest's counts.
 
         Pruning rewrites each error shard whole; a kill midway leaves stale records that the view
-        still hides, so this is safe to interrupt and to repeat. Returns (errors, rejected).
+        still hides, so this is safe to interrupt and to repeat.
         """
-        latest = self._latest_errors()
+        columns = ["id", "prompt_tokens", "completion_tokens"]
+        ok = [row for _i, row in io.iter_dir_rows(self.data_url, columns)]
+        rejected = [row for _i, row in io.iter_dir_rows(self.rejected_url)]
+        by_shard: dict[str, list[dict[str, Any]]] = {}
+        recorded: list[tuple[int, dict[str, Any]]] = []
         for shard in io.list_shards(self.errors_url):
+            index = io.shard_index(storage.basename(shard)) or 0
+            by_shard[shard] = io.read_table(shard).to_pylist()
+            recorded += [(index, row) for row in by_shard[shard]]
+        ok_ids, rejected_ids = {r["id"] for r in ok}, {r["id"] for r in rejected}
+        latest = _latest(recorded, ok_ids | rejected_ids)
+        for shard, rows in by_shard.items():
             index = io.shard_index(storage.basename(shard))
-            rows = io.read_table(shard).to_pylist()
             kept = [r for r in rows if latest.get(r["id"], (None,))[0] == index]
             if len(kept) != len(rows):
                 if kept:
@@ -111,7 +130,29 @@ class ResponseStore:
                 else:
                     storage.remove(shard)
         errors = [row for _index, row in latest.values()]
-        rejected = self.rejected_rows()
         io.write_table(storage.join(self.url, ERRORS_NAME), errors, io.ERROR_SCHEMA)
         io.write_table(storage.join(self.url, REJECTED_NAME), rejected, io.REJECTED_SCHEMA)
-        return len(errors), len(rejected)
+        reasons: dict[str, int] = {}
+        for row in rejected:
+            reasons[row["reason"]] = reasons.get(row["reason"], 0) + 1
+        counts = {
+            "responses": len(ok),
+            "rejected": len(rejected),
+            "rejected_truncated": reasons.get("truncated", 0),
+            "rejected_empty": reasons.get("empty", 0),
+            "errors": len(errors),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in ok),
+            "completion_tokens": sum(r["completion_tokens"] for r in ok),
+            "shards": len(io.list_shards(self.data_url)),
+        }
+        return OutputSummary(ok_ids, rejected_ids, set(latest), counts)
+
+
+def _latest(recorded: Iterable[tuple[int, dict[str, Any]]], resolved: set[str]
+            ) -> dict[str, tuple[int, dict[str, Any]]]:
+    """id → (batch index, record) of the latest error per id not in `resolved` (index order in)."""
+    latest: dict[str, tuple[int, dict[str, Any]]] = {}
+    for index, row in recorded:
+        if row["id"] not in resolved:
+            latest[row["id"]] = (index, row)  # shards come in index order: later wins
+    return latest
