@@ -47,7 +47,9 @@ def _register() -> None:
 def main(argv: list[str] | None = None) -> None:
     _register()
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)
+        if isinstance(code, int) and code:  # a command's typer.Exit(n): click returns n here
+            sys.exit(code)
     except DsparkError as e:
         if os.environ.get("DSPARK_DEBUG"):
             raise

@@ -214,3 +214,34 @@ def test_flex_attention_matches_sdpa(tiny_qwen3_target, samples):  # pragma: no 
         sdpa = drafter(*args, dense_mask(batch.layout))
         flex = drafter(*args, flex_block_mask(batch.layout))
     assert torch.allclose(sdpa, flex, atol=1e-4)
+
+
+@pytest.mark.parametrize("markov", ["gated", "rnn"])
+def test_markov_heads_follow_the_deepspec_equations(tiny_qwen3_target, markov):
+    """Teacher-forced features and step-by-step sampling both equal the equations of DESIGN.md §3."""
+    drafter = build(tiny_qwen3_target, markov_head_type=markov)
+    head = drafter.markov_head
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.3, generator=torch.Generator().manual_seed(p.numel()))
+    gen = torch.Generator().manual_seed(11)
+    prev = torch.randint(0, drafter.config.vocab_size, (2, 4), generator=gen)
+    hidden = torch.randn(2, 4, 32, generator=gen)
+    e = head.markov_w1.weight[prev]
+    if markov == "gated":
+        W, b = head.gate_proj.weight, head.gate_proj.bias
+        expected = torch.sigmoid(torch.cat([hidden, e], -1) @ W.T + b) * e
+    else:
+        W, b = head.joint_proj.weight, head.joint_proj.bias
+        s, outs = torch.zeros(2, 16), []
+        for k in range(4):
+            g, c, o = (torch.cat([s, e[:, k], hidden[:, k]], -1) @ W.T + b).chunk(3, -1)
+            outs.append(torch.tanh(o))
+            s = torch.sigmoid(g) * s + (1 - torch.sigmoid(g)) * torch.tanh(c)
+        expected = torch.stack(outs, 1)
+    with torch.no_grad():
+        assert torch.allclose(head.features(prev, hidden), expected, atol=1e-6)
+        state, steps = None, []
+        for k in range(4):
+            z, state = head.step(prev[:, k], hidden[:, k], state)
+            steps.append(z)
+        assert torch.allclose(torch.stack(steps, 1), expected, atol=1e-6)

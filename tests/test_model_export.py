@@ -30,11 +30,16 @@ def build(target, **model) -> DSparkDrafter:
     return drafter.eval()
 
 
-def expected_keys(num_layers: int, markov: bool = True, confidence: bool = True) -> set[str]:
+def expected_keys(num_layers: int, markov: bool = True, confidence: bool = True,
+                  kind: str = "vanilla") -> set[str]:
     keys = {f"layers.{i}.{k}" for i in range(num_layers) for k in LAYER_KEYS}
     keys |= {"fc.weight", "hidden_norm.weight", "norm.weight"}
     if markov:
         keys |= {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}
+    if kind == "gated":
+        keys |= {"markov_head.gate_proj.weight", "markov_head.gate_proj.bias"}
+    if kind == "rnn":
+        keys |= {"markov_head.joint_proj.weight", "markov_head.joint_proj.bias"}
     if confidence:
         keys |= {"confidence_head.proj.weight", "confidence_head.proj.bias"}
     return keys
@@ -69,6 +74,85 @@ def test_dspark_export_has_exact_keys_and_fields(tiny_qwen3_target, tmp_path):
                                     "mask_token_id": 384}
     assert cfg["num_hidden_layers"] == 2 and cfg["hidden_size"] == 32 and cfg["head_dim"] == 8
     assert "speculators_model_type" not in cfg
+    # SGLang merges a top-level dspark_config into its DSpark settings: our data lives elsewhere.
+    assert "dspark_config" not in cfg and cfg["dspark_cli_config"]["markov_head_type"] == "vanilla"
+
+
+@pytest.mark.parametrize("kind,extra", [
+    ("gated", {"markov_head.gate_proj.weight": (16, 32 + 16), "markov_head.gate_proj.bias": (16,)}),
+    ("rnn", {"markov_head.joint_proj.weight": (3 * 16, 2 * 16 + 32), "markov_head.joint_proj.bias": (48,)})])
+def test_gated_and_rnn_heads_export_deepspec_names_and_shapes(tiny_qwen3_target, tmp_path, kind, extra):
+    drafter = build(tiny_qwen3_target, markov_head_type=kind)
+    export_drafter(drafter, str(tmp_path), dtype="float32")
+    tensors = st_load((tmp_path / "model.safetensors").read_bytes())
+    assert set(tensors) == expected_keys(2, kind=kind)
+    assert {k: tuple(tensors[k].shape) for k in extra} == extra
+    assert tensors["markov_head.markov_w1.weight"].shape == (drafter.config.vocab_size, 16)
+    assert all(t.dtype == torch.float32 for t in tensors.values())
+    assert json.loads((tmp_path / "config.json").read_text())["markov_head_type"] == kind
+
+
+def test_anchor_first_without_markov_exports_a_zero_head(tiny_qwen3_target, tmp_path, sample):
+    """Engines need a Markov head on Qwen3DSparkModel; a rank-1 zero head adds exactly nothing."""
+    drafter = build(tiny_qwen3_target, markov_head_type="none", enable_confidence_head=False,
+                    confidence_head_with_markov=False)
+    export_drafter(drafter, str(tmp_path), dtype="float32")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"]
+    assert cfg["markov_head_type"] == "vanilla" and cfg["markov_rank"] == 1
+    assert cfg["dspark_cli_config"]["markov_head_type"] == "none"
+    tensors = st_load((tmp_path / "model.safetensors").read_bytes())
+    assert set(tensors) == expected_keys(2, confidence=False)
+    for key in ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight"):
+        assert tensors[key].shape == (drafter.config.vocab_size, 1) and not tensors[key].any()
+    anchor = int(torch.nonzero(sample["loss_mask"])[0]) + 3
+    reloaded = load_drafter(str(tmp_path))
+    assert reloaded.markov_head is None
+    assert torch.allclose(logits_of(drafter, sample, anchor).probs, logits_of(reloaded, sample, anchor).probs,
+                          atol=1e-6)
+
+
+def test_exports_of_the_first_release_still_load(tiny_qwen3_target, tmp_path, sample):
+    """Old exports kept DrafterConfig under `dspark_config`; they reload unchanged."""
+    drafter = build(tiny_qwen3_target)
+    export_drafter(drafter, str(tmp_path), dtype="float32")
+    path = tmp_path / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg["dspark_config"] = cfg.pop("dspark_cli_config")
+    path.write_text(json.dumps(cfg))
+    anchor = int(torch.nonzero(sample["loss_mask"])[0]) + 2
+    assert torch.equal(logits_of(load_drafter(str(tmp_path)), sample, anchor).tokens,
+                       logits_of(drafter, sample, anchor).tokens)
+
+
+def test_old_gated_checkpoints_convert_exactly_and_old_rnn_ones_are_refused(tiny_qwen3_target, tmp_path):
+    """The first release's gated head σ(G·h + g) ⊙ e is gate_proj = [G | 0]; its GRU has no equivalent."""
+    from safetensors.torch import save as st_save
+
+    from dspark_cli.model.export import save_weights
+
+    drafter = build(tiny_qwen3_target, markov_head_type="gated")
+    save_weights(drafter, str(tmp_path / "old"))
+    path = tmp_path / "old" / "model.safetensors"
+    tensors = st_load(path.read_bytes())
+    del tensors["markov_head.gate_proj.weight"], tensors["markov_head.gate_proj.bias"]
+    gen = torch.Generator().manual_seed(5)
+    G, g = torch.randn(16, 32, generator=gen), torch.randn(16, generator=gen)
+    tensors["markov_head.gate.weight"], tensors["markov_head.gate.bias"] = G, g
+    path.write_bytes(st_save(tensors))
+    head = load_drafter(str(tmp_path / "old")).markov_head
+    prev, hidden = torch.tensor([[3, 7, 11]]), torch.randn(1, 3, 32, generator=gen)
+    old = torch.sigmoid(hidden @ G.T + g) * tensors["markov_head.markov_w1.weight"][prev]
+    assert torch.allclose(head.features(prev, hidden), old, atol=1e-6)
+
+    rnn = build(tiny_qwen3_target, markov_head_type="rnn")
+    save_weights(rnn, str(tmp_path / "old-rnn"))
+    path = tmp_path / "old-rnn" / "model.safetensors"
+    tensors = {k: v for k, v in st_load(path.read_bytes()).items() if "joint_proj" not in k}
+    tensors["markov_head.rnn.weight_ih"] = torch.zeros(48, 16)
+    path.write_bytes(st_save(tensors))
+    with pytest.raises(DsparkError, match="old GRU form"):
+        load_drafter(str(tmp_path / "old-rnn"))
 
 
 def test_reload_reproduces_logits(tiny_qwen3_target, tmp_path, sample):

@@ -36,6 +36,29 @@ def test_sps_round_trip_through_schema(tmp_path):
         SpsTable.load(str(tmp_path / "bad.json"))
 
 
+def test_sps_file_is_sglangs_cost_table_and_the_first_release_form_still_reads(tmp_path):
+    """SGLang's SpsCostTable: sample_batch_tokens / sample_steps_per_sec / max_batch_tokens (DESIGN.md §3)."""
+    import json
+
+    SpsTable([4, 1, 2], [50.0, 100.0, 90.0], {"device": "cpu"}).save(str(tmp_path / "sps.json"))
+    obj = json.loads((tmp_path / "sps.json").read_text())
+    assert obj["sample_batch_tokens"] == [1, 2, 4] and obj["sample_steps_per_sec"] == [100.0, 90.0, 50.0]
+    assert obj["max_batch_tokens"] == 4 and isinstance(obj["max_batch_tokens"], int)
+    assert "batch_tokens" not in obj and "steps_per_second" not in obj
+    (tmp_path / "v1.json").write_text(json.dumps({"schema_version": 1, "batch_tokens": [1, 8],
+                                                  "steps_per_second": [10.0, 5.0], "meta": {}}))
+    old = SpsTable.load(str(tmp_path / "v1.json"))
+    assert old.batch_tokens == [1, 8] and old(4.5) == pytest.approx(7.5) and old.max_batch_tokens == 8
+    # A table SGLang's own profiler wrote (no schema_version, no meta) reads too.
+    (tmp_path / "sg.json").write_text(json.dumps({"sample_batch_tokens": [1, 64], "sample_steps_per_sec":
+                                                  [30.0, 20.0], "max_batch_tokens": 512}))
+    assert SpsTable.load(str(tmp_path / "sg.json")).max_batch_tokens == 512
+    bad = {"sample_batch_tokens": [1], "sample_steps_per_sec": [1.0]}
+    (tmp_path / "bad2.json").write_text(json.dumps(bad))
+    with pytest.raises(DsparkError, match="sps_table"):
+        SpsTable.load(str(tmp_path / "bad2.json"))
+
+
 def test_prefix_survival_and_expected_throughput():
     assert prefix_survival([0.5, 0.5, 1.0]) == [0.5, 0.25, 0.25]
     sps = SpsTable([1, 2, 3, 4], [1.0, 0.9, 0.8, 0.7])

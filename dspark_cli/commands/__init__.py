@@ -7,7 +7,7 @@ import importlib
 import typer
 
 #: Command modules, in the order `dspark --help` lists them. Each exposes `register(app)`.
-GROUPS = ("data", "cache", "train", "calibrate", "eval", "profile", "serve", "model", "pipeline")
+GROUPS = ("data", "cache", "train", "export", "calibrate", "eval", "profile", "serve", "model", "pipeline")
 
 
 def register_all(app: typer.Typer) -> None:

@@ -1,8 +1,7 @@
-"""`dspark train` and `dspark export`: train a drafter from a cache; write its serving folder.
+"""`dspark train`: train a drafter from a cache (its serving folder: commands/export.py).
 
     dspark train --cache runs/x/cache --output runs/x/train --config pipelines/qwen3-4b.toml
     torchrun --nproc_per_node 8 -m dspark_cli.cli train --cache s3://b/cache --output s3://b/train
-    dspark export runs/x/train/checkpoints/step-00001000 runs/x/export --include-embeddings
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from ..console import console, out
+from ..console import out
 from ._common import load
 from ._options import ConfigOpt, ForceOpt, SetOpt
 
@@ -51,30 +50,6 @@ def train_command(
                              "accepted_length": final.get("accepted_length")})
 
 
-def export_command(
-    checkpoint: Annotated[str, typer.Argument(help="Checkpoint dir, export folder or train artifact.")],
-    out_dir: Annotated[str, typer.Argument(help="Serving folder to write (config.json + weights).")],
-    include_embeddings: Annotated[bool, typer.Option("--include-embeddings",
-                                  help="Also write the frozen embedding and lm_head.")] = False,
-    architecture: Annotated[str | None, typer.Option("--architecture",
-                            help="Qwen3DSparkModel (anchor_first) or DFlashDraftModel (fill_in); "
-                                 "default: from the drafter's block convention.")] = None,
-    dtype: Annotated[str, typer.Option("--dtype", help="bfloat16, float16 or float32.")] = "bfloat16",
-    target: Annotated[str | None, typer.Option("--target",
-                      help="Target for the frozen rows (default: the one used in training).")] = None,
-) -> None:
-    """Write the serving folder engines (SGLang, vLLM) load from a checkpoint."""
-    from ..model.export import export_drafter, load_drafter
-
-    drafter = load_drafter(checkpoint, target=target)
-    cfg = export_drafter(drafter, out_dir, include_embeddings=include_embeddings, architecture=architecture,
-                         dtype=dtype)
-    console.print(f"[green]✓[/] export: {out_dir} ({cfg['architectures'][0]}, {dtype})")
-    out.print_json(data={"output": out_dir, "architecture": cfg["architectures"][0],
-                         "block_size": cfg["block_size"], "include_embeddings": include_embeddings})
-
-
 def register(app: typer.Typer) -> None:
-    """Add `train` and `export` to the app."""
+    """Add `train` to the app."""
     app.command("train")(train_command)
-    app.command("export")(export_command)

@@ -3,6 +3,11 @@
 The scheduler maximises Θ = τ · SPS(B), so it needs SPS at any B: the table stores measured points
 and `__call__` interpolates linearly between them (flat beyond the ends, since a table cannot say
 what happens outside what was measured). `profile_target` measures the points on this hardware.
+
+The file is SGLang's `SpsCostTable` (`--speculative-dspark-sps-table-path`): `sample_batch_tokens`
+(strictly increasing), `sample_steps_per_sec`, `max_batch_tokens` (≥ the last probe), plus our
+`schema_version` and `meta`, which SGLang ignores. SGLang looks up the floor probe rather than
+interpolating. Files of the first release (`batch_tokens` / `steps_per_second`) still load.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ class SpsTable:
     batch_tokens: list[int]
     steps_per_second: list[float]
     meta: dict[str, Any] = field(default_factory=dict)
+    #: The largest batch the table is meant for (SGLang sizes its verify budget by it).
+    max_batch_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.batch_tokens or len(self.batch_tokens) != len(self.steps_per_second):
@@ -39,6 +46,7 @@ class SpsTable:
             raise DsparkError(f"SPS table batch_tokens must be distinct, got {self.batch_tokens}.")
         if any(s <= 0 for s in self.steps_per_second):
             raise DsparkError("SPS table steps_per_second must all be > 0.")
+        self.max_batch_tokens = max(int(self.max_batch_tokens), self.batch_tokens[-1])
 
     def __call__(self, batch_tokens: float) -> float:
         xs, ys = self.batch_tokens, self.steps_per_second
@@ -58,13 +66,19 @@ class SpsTable:
         return cls([1], [steps_per_second], {"kind": "constant"})
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema_version": 1, "batch_tokens": self.batch_tokens,
-                "steps_per_second": self.steps_per_second, "meta": self.meta}
+        """SGLang's SpsCostTable fields first; schema_version and meta are ours (SGLang ignores them)."""
+        return {"sample_batch_tokens": self.batch_tokens, "sample_steps_per_sec": self.steps_per_second,
+                "max_batch_tokens": self.max_batch_tokens, "schema_version": 2, "meta": self.meta}
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any], where: str = "") -> SpsTable:
+        """Either form: SGLang's (ours since v2, or written by SGLang's profiler) or our v1."""
         validate(obj, SCHEMA, where=where)
-        return cls(list(obj["batch_tokens"]), list(obj["steps_per_second"]), dict(obj.get("meta", {})))
+        meta = dict(obj.get("meta", {}))
+        if "sample_batch_tokens" in obj:
+            return cls(list(obj["sample_batch_tokens"]), list(obj["sample_steps_per_sec"]), meta,
+                       int(obj["max_batch_tokens"]))
+        return cls(list(obj["batch_tokens"]), list(obj["steps_per_second"]), meta)
 
     @classmethod
     def load(cls, url: str) -> SpsTable:

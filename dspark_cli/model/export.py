@@ -6,7 +6,11 @@
 
 An anchor-first drafter exports as `Qwen3DSparkModel`; a `fill_in` DFlash baseline as
 `DFlashDraftModel`. Any other pairing is refused: engines would load it without complaint and
-serve it with acceptance near zero.
+serve it with acceptance near zero. An anchor-first drafter without a Markov head (the DFlash
+ablation) gets a rank-1 all-zero Markov head in the export: both engines require one (vLLM would
+otherwise add uninitialised memory to the logits, SGLang refuses rank 0) and a zero head adds
+exactly nothing. Our own rebuild data sits under `dspark_cli_config`, a key no engine reads
+(SGLang merges a top-level `dspark_config` into its DSpark settings).
 """
 
 from __future__ import annotations
@@ -23,10 +27,17 @@ from ..schemas import validate
 from .config import DrafterConfig
 from .drafter import DSparkDrafter
 from .frozen import attach_frozen
+from .heads import upgrade_legacy_markov
 
 DSPARK_ARCH = "Qwen3DSparkModel"
 DFLASH_ARCH = "DFlashDraftModel"
 CHECKPOINT_CONFIG = "drafter_config.json"
+#: Where config.json keeps DrafterConfig; LEGACY_PRIVATE_KEY is read for exports of earlier releases.
+PRIVATE_KEY = "dspark_cli_config"
+LEGACY_PRIVATE_KEY = "dspark_config"
+#: Rank of the all-zero Markov head an anchor-first drafter without one is exported with.
+NOOP_MARKOV_RANK = 1
+NOOP_MARKOV_KEYS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
 WEIGHTS = "model.safetensors"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -55,6 +66,7 @@ def export_config(config: DrafterConfig, architecture: str, dtype: str) -> dict[
     # fill_in engines count the anchor slot in block_size (z-lab/vLLM DFlash: 16 = anchor + 15).
     block_size = config.block_inputs
     rope = dict(config.rope_parameters)
+    noop_markov = needs_noop_markov(config)
     out: dict[str, Any] = {
         "architectures": [architecture],
         "model_type": "qwen3",
@@ -79,8 +91,8 @@ def export_config(config: DrafterConfig, architecture: str, dtype: str) -> dict[
         "target_layer_ids": list(config.target_layer_ids),
         "num_target_layers": config.num_target_layers,
         "mask_token_id": config.mask_token_id,
-        "markov_rank": config.markov_rank,
-        "markov_head_type": config.markov_head_type,
+        "markov_rank": NOOP_MARKOV_RANK if noop_markov else config.markov_rank,
+        "markov_head_type": "vanilla" if noop_markov else config.markov_head_type,
         "enable_confidence_head": config.enable_confidence_head,
         "confidence_head_with_markov": config.confidence_head_with_markov,
         "sample_from_anchor": config.sample_from_anchor,
@@ -89,10 +101,21 @@ def export_config(config: DrafterConfig, architecture: str, dtype: str) -> dict[
             "target_layer_ids": list(config.target_layer_ids),
             "mask_token_id": config.mask_token_id,
         },
-        # Everything load_drafter needs to rebuild the module exactly (engines ignore it).
-        "dspark_config": config.to_dict(),
+        # Everything load_drafter needs to rebuild the module exactly, under a key no engine reads.
+        PRIVATE_KEY: config.to_dict(),
     }
     return out
+
+
+def needs_noop_markov(config: DrafterConfig) -> bool:
+    """Anchor-first without a Markov head: engines need one, so the export carries a zero head."""
+    return config.sample_from_anchor and config.markov_head_type == "none"
+
+
+def noop_markov_tensors(config: DrafterConfig) -> dict[str, torch.Tensor]:
+    """W1 [V, 1] and W2 [V, 1], all zeros: the bias W2·W1[x] is exactly 0 for every token."""
+    zeros = torch.zeros(config.vocab_size, NOOP_MARKOV_RANK)
+    return {NOOP_MARKOV_KEYS[0]: zeros, NOOP_MARKOV_KEYS[1]: zeros.clone()}
 
 
 def export_drafter(drafter: DSparkDrafter, out_url: str, include_embeddings: bool = False,
@@ -104,6 +127,8 @@ def export_drafter(drafter: DSparkDrafter, out_url: str, include_embeddings: boo
     config = export_config(drafter.config, arch, dtype)
     validate(config, "drafter_export_config", where=storage.join(out_url, "config.json"))
     tensors = drafter.trainable_state_dict()
+    if needs_noop_markov(drafter.config):
+        tensors.update(noop_markov_tensors(drafter.config))
     if include_embeddings:
         tensors["embed_tokens.weight"] = drafter.embed_tokens.weight
         tensors["lm_head.weight"] = drafter.lm_head.weight
@@ -126,9 +151,10 @@ def read_config(url: str) -> DrafterConfig:
         return DrafterConfig.from_json(storage.read_text(storage.join(url, CHECKPOINT_CONFIG)))
     if storage.exists(storage.join(url, "config.json")):
         cfg = storage.read_json(storage.join(url, "config.json"))
-        if "dspark_config" not in cfg:
-            raise DsparkError(f"{url}/config.json has no dspark_config; it was not exported by dspark.")
-        return DrafterConfig.from_dict(cfg["dspark_config"])
+        private = cfg.get(PRIVATE_KEY, cfg.get(LEGACY_PRIVATE_KEY))
+        if not isinstance(private, dict):
+            raise DsparkError(f"{url}/config.json has no {PRIVATE_KEY}; it was not exported by dspark.")
+        return DrafterConfig.from_dict(private)
     raise DsparkError(f"{url}: neither a dspark checkpoint ({CHECKPOINT_CONFIG}) nor an export "
                       "(config.json).")
 
@@ -155,6 +181,9 @@ def load_drafter(path: str, target: str | None = None, device: str | torch.devic
     url = resolve_drafter_url(path)
     config = read_config(url)
     tensors = st_load(storage.read_bytes(storage.join(url, WEIGHTS)))
+    tensors = upgrade_legacy_markov(tensors, config.markov_head_type, f"{url}/{WEIGHTS}")
+    if needs_noop_markov(config):
+        tensors = {k: v for k, v in tensors.items() if k not in NOOP_MARKOV_KEYS}
     drafter = DSparkDrafter(config)
     expected = set(drafter.trainable_state_dict())
     frozen_in_file = {"embed_tokens.weight", "lm_head.weight"} <= set(tensors)

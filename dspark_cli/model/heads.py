@@ -1,17 +1,20 @@
 """The sequential heads on top of the parallel backbone: Markov bias and confidence.
 
 The backbone emits base logits U_k for every slot at once; a Markov head adds a low-rank bias that
-depends on the previous token, so the block is sampled left to right (DESIGN.md §3):
+depends on the previous token, so the block is sampled left to right (DESIGN.md §3). The three
+kinds are the ones DeepSpec trains and SGLang serves, with the same parameter names, so an export
+loads there unchanged (vLLM serves vanilla only):
 
-    vanilla  z_k = W1[x_{k-1}]                              logits_k = U_k + W2·z_k
-    gated    z_k = σ(G·h_k + g) ⊙ W1[x_{k-1}]               (the backbone state decides which
-                                                             transition directions apply)
-    rnn      z_k = GRU(W1[x_{k-1}], z_{k-1}), z_{-1} = 0    (the bias sees the whole block prefix)
+    e_k = W1[x_{k-1}]                                   x_{-1} is the anchor
+    vanilla  z_k = e_k
+    gated    z_k = σ(gate_proj([h_k; e_k])) ⊙ e_k       gate_proj: Linear(H + r → r), bias
+    rnn      [g, c, o] = joint_proj([s_{k-1}; e_k; h_k])  joint_proj: Linear(2r + H → 3r), bias
+             s_k = σ(g)⊙s_{k-1} + (1−σ(g))⊙tanh(c),  s_0 = 0,  z_k = tanh(o)
+    logits_k = U_k + W2·z_k
 
-x_{-1} is the anchor. Our reading of the paper's Eq. 6: the gated head gates the rank-r transition
-feature per dimension from h_k; the RNN head replaces the one-token transition by a GRU state over
-the block prefix, read out by the same W2. Heads return the rank-r feature z; `markov_w2` maps it
-to the vocabulary, so the vocabulary-wide product can be computed in chunks by the caller.
+h_k is the slot's final (normed) backbone state, the one the lm_head reads. Heads return the
+rank-r feature z; `markov_w2` maps it to the vocabulary, so the vocabulary-wide product can be
+computed in chunks by the caller.
 
 Confidence: c_k = σ(w·[h_k; W1[x_{k-1}]] + b) (or w·h_k + b), the probability slot k is accepted
 given slots < k were.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import DsparkError
 from .config import DrafterConfig
 
 
@@ -31,13 +35,14 @@ class MarkovHead(nn.Module):
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
         self.kind = config.markov_head_type
-        r = config.markov_rank
+        r, d = config.markov_rank, config.hidden_size
+        self.rank = r
         self.markov_w1 = nn.Embedding(config.vocab_size, r)
         self.markov_w2 = nn.Linear(r, config.vocab_size, bias=False)
         if self.kind == "gated":
-            self.gate = nn.Linear(config.hidden_size, r, bias=True)
+            self.gate_proj = nn.Linear(d + r, r, bias=True)
         elif self.kind == "rnn":
-            self.rnn = nn.GRUCell(r, r)
+            self.joint_proj = nn.Linear(2 * r + d, 3 * r, bias=True)
         nn.init.normal_(self.markov_w1.weight, std=0.02)
         nn.init.zeros_(self.markov_w2.weight)  # starts as a no-op: the backbone's logits rule first
 
@@ -45,18 +50,25 @@ class MarkovHead(nn.Module):
         """W1[x_{k-1}]: [..., γ] token ids → [..., γ, r]."""
         return self.markov_w1(prev_tokens)
 
+    def _rnn(self, state: torch.Tensor, e: torch.Tensor,
+             h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One RNN step: (s_{k-1}, e_k, h_k) → (z_k, s_k)."""
+        g, c, o = self.joint_proj(torch.cat([state, e, h.to(e.dtype)], dim=-1)).chunk(3, dim=-1)
+        g = torch.sigmoid(g)
+        return torch.tanh(o), g * state + (1.0 - g) * torch.tanh(c)
+
     def features(self, prev_tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Teacher-forced z for a whole block: prev_tokens [N, γ], hidden [N, γ, d] → [N, γ, r]."""
         e = self.embed_prev(prev_tokens)
         if self.kind == "vanilla":
             return e
         if self.kind == "gated":
-            return torch.sigmoid(self.gate(hidden)) * e
-        state = e.new_zeros(e.shape[0], e.shape[2])
+            return torch.sigmoid(self.gate_proj(torch.cat([hidden.to(e.dtype), e], dim=-1))) * e
+        state = e.new_zeros(e.shape[0], self.rank)
         outs = []
         for k in range(e.shape[1]):
-            state = self.rnn(e[:, k], state)
-            outs.append(state)
+            z, state = self._rnn(state, e[:, k], hidden[:, k])
+            outs.append(z)
         return torch.stack(outs, dim=1)
 
     def step(self, prev_token: torch.Tensor, hidden: torch.Tensor,
@@ -66,13 +78,31 @@ class MarkovHead(nn.Module):
         if self.kind == "vanilla":
             return e, None
         if self.kind == "gated":
-            return torch.sigmoid(self.gate(hidden)) * e, None
-        state = self.rnn(e, state if state is not None else e.new_zeros(e.shape))
-        return state, state
+            return torch.sigmoid(self.gate_proj(torch.cat([hidden.to(e.dtype), e], dim=-1))) * e, None
+        return self._rnn(state if state is not None else e.new_zeros(e.shape), e, hidden)
 
     def bias(self, z: torch.Tensor) -> torch.Tensor:
         """W2·z: [..., r] → [..., V]."""
         return self.markov_w2(z)
+
+
+def upgrade_legacy_markov(tensors: dict[str, torch.Tensor], kind: str, where: str) -> dict[str, torch.Tensor]:
+    """Read checkpoints written before the heads matched DeepSpec/SGLang.
+
+    The old gated head, σ(G·h + g) ⊙ e, is exactly the new one with gate_proj = [G | 0] and bias g,
+    so it converts losslessly. The old RNN head (a GRU over e) has no equivalent: it is refused.
+    """
+    if kind == "gated" and "markov_head.gate.weight" in tensors:
+        tensors = dict(tensors)
+        weight = tensors.pop("markov_head.gate.weight")
+        r = weight.shape[0]
+        tensors["markov_head.gate_proj.weight"] = torch.cat([weight, weight.new_zeros(r, r)], dim=1)
+        tensors["markov_head.gate_proj.bias"] = tensors.pop("markov_head.gate.bias")
+    elif kind == "rnn" and any(k.startswith("markov_head.rnn.") for k in tensors):
+        raise DsparkError(f"{where}: its RNN Markov head is the old GRU form, which no engine serves and "
+                          "which has no exact equivalent in the DeepSpec/SGLang RNN head.",
+                          hint="retrain with this release (model.markov_head_type=rnn), or use vanilla.")
+    return tensors
 
 
 class ConfidenceHead(nn.Module):
