@@ -13,6 +13,7 @@ import typer
 
 from . import __version__
 from .errors import DsparkError
+from .redact import redact
 
 app = typer.Typer(
     name="dspark",
@@ -53,10 +54,10 @@ def main(argv: list[str] | None = None) -> None:
     except DsparkError as e:
         if os.environ.get("DSPARK_DEBUG"):
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {redact(str(e))}", file=sys.stderr)
         if e.hint:
-            print(f"hint: {e.hint}", file=sys.stderr)
-        sys.exit(2)
+            print(f"hint: {redact(e.hint)}", file=sys.stderr)
+        sys.exit(e.exit_code)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:

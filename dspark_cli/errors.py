@@ -6,6 +6,9 @@ from __future__ import annotations
 class DsparkError(Exception):
     """A problem the user can fix (bad flag, bad file, wrong config). Message names the culprit."""
 
+    #: The CLI's exit status: 2 for bad input (click's convention for usage errors).
+    exit_code = 2
+
     def __init__(self, message: str, hint: str | None = None) -> None:
         super().__init__(message)
         self.hint = hint
@@ -17,3 +20,9 @@ class ConfigError(DsparkError):
 
 class StageConflictError(DsparkError):
     """A stage's output exists with a different config or inputs; rerun with --force to replace it."""
+
+
+class StageFailed(DsparkError):
+    """A stage ran but produced nothing usable (or too many failures); nothing was marked done."""
+
+    exit_code = 1

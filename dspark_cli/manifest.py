@@ -1,8 +1,11 @@
 """Stage manifests: what a stage read, with which config, what it wrote. Committed last.
 
-Each stage's output directory holds `_run.json` (written when the stage starts: config and input
-fingerprints) and `manifest.json` (written when it finishes). `prepare_stage` decides, before any
-work, whether the stage is done (skip), fresh, resuming, or conflicting (refuse without --force).
+Each stage's output directory holds `_run.json` (config and input fingerprints) and `manifest.json`
+(written when it finishes). `prepare_stage` decides, without writing anything, whether the stage is
+done (skip), fresh, resuming, or conflicting (refuse without --force). The stage then checks its
+inputs and probes what it needs (server, target, drafter) and only then calls `StageRun.claim`,
+which writes `_run.json` (and, with --force, removes the old output): a run that fails before
+claiming leaves nothing that would refuse the corrected rerun.
 """
 
 from __future__ import annotations
@@ -67,10 +70,39 @@ class StageRun:
     inputs: dict[str, str]
     state: StageState
     started: float = field(default_factory=time.time)
+    #: --force over an existing output: `claim` removes it first.
+    replaces: bool = False
+    claimed: bool = False
 
     @property
     def manifest_url(self) -> str:
         return storage.join(self.output_url, MANIFEST_NAME)
+
+    def claim(self) -> None:
+        """Take the output: remove what --force replaces, write `_run.json`. Call it only after every
+        input check and probe passed; idempotent, and a no-op for a resumed or finished run."""
+        if self.claimed:
+            return
+        self.claimed = True
+        if self.state != "fresh":
+            return
+        if self.replaces:
+            storage.remove(self.output_url)
+        spec = {"stage": self.stage, "config": self.config, "inputs": self.inputs}
+        storage.write_json(storage.join(self.output_url, RUN_NAME), spec)
+
+    def abandon(self, *names: str) -> None:
+        """Give up the output of a run that produced nothing usable: remove `names`, keep the rest
+        (failure records to read) and mark `_run.json` abandoned, so the next run replaces the
+        folder whatever its config, without --force. Nothing left to read: no trace at all."""
+        for name in names:
+            storage.remove(storage.join(self.output_url, name))
+        run_url = storage.join(self.output_url, RUN_NAME)
+        if not [n for n in storage.listdir(self.output_url) if n != RUN_NAME]:
+            storage.remove(run_url)
+            return
+        spec = {"stage": self.stage, "config": self.config, "inputs": self.inputs, "abandoned": True}
+        storage.write_json(run_url, spec)
 
     def finish(self, counts: dict[str, Any], extra: dict[str, Any] | None = None,
                timings: dict[str, float] | None = None) -> dict[str, Any]:
@@ -86,6 +118,7 @@ class StageRun:
             "timings": {"wall_seconds": round(time.time() - self.started, 3), **(timings or {})},
             "extra": extra or {},
         }
+        self.claim()
         validate(manifest, "stage_manifest", where=self.manifest_url)
         storage.write_json(self.manifest_url, manifest)
         return manifest
@@ -102,14 +135,16 @@ def read_manifest(output_url: str) -> dict[str, Any] | None:
 
 def prepare_stage(stage: str, output_url: str, config: dict[str, Any], inputs: dict[str, str],
                   force: bool = False) -> StageRun:
-    """Decide done / fresh / resume for a stage; refuse a changed config unless force.
+    """Decide done / fresh / resume for a stage; refuse a changed config unless force. Writes nothing.
 
     `inputs` maps input URL to its fingerprint (see `fingerprint`). With force, the old output is
-    removed and the stage starts fresh.
+    removed when the run is claimed and the stage starts fresh.
     """
-    spec = {"stage": stage, "config": config, "inputs": inputs}
+    storage.check_output(output_url, list(inputs))
     run_url = storage.join(output_url, RUN_NAME)
     previous = storage.read_json(run_url) if storage.exists(run_url) else None
+    if previous is not None and previous.get("abandoned"):
+        return StageRun(stage, output_url, config, inputs, "fresh", replaces=True)
     if previous is not None and not force:
         differing = [f"config key {k}" for k in _diff_keys(previous.get("config"), config)]
         # compare locations, not spellings (`runs/x` and `/abs/runs/x` are one input); name the
@@ -130,11 +165,23 @@ def prepare_stage(stage: str, output_url: str, config: dict[str, Any], inputs: d
                 hint="rerun with --force to replace it, or choose another output URL.",
             )
     if force and previous is not None:
-        storage.remove(output_url)
-        previous = None
-    if previous is not None and read_manifest(output_url) is not None:
-        return StageRun(stage, output_url, config, inputs, "done")
-    state: StageState = "resume" if previous is not None else "fresh"
+        return StageRun(stage, output_url, config, inputs, "fresh", replaces=True)
     if previous is None:
-        storage.write_json(run_url, spec)
-    return StageRun(stage, output_url, config, inputs, state)
+        _refuse_foreign_folder(output_url, force)
+        return StageRun(stage, output_url, config, inputs, "fresh")
+    if read_manifest(output_url) is not None:
+        return StageRun(stage, output_url, config, inputs, "done")
+    return StageRun(stage, output_url, config, inputs, "resume")
+
+
+def _refuse_foreign_folder(output_url: str, force: bool) -> None:
+    """A non-empty folder that no stage claimed is someone's data: never write (or later remove)
+    stage files in it unless --force says so."""
+    if force:
+        return
+    names = [n for n in storage.listdir(output_url) if not n.startswith(storage.TMP_PREFIX)]
+    if names:
+        shown = ", ".join(names[:3]) + (" …" if len(names) > 3 else "")
+        raise StageConflictError(f"{output_url}: folder is not empty ({shown}) and holds no dspark "
+                                 "stage run.",
+                                 hint="choose a new or empty output folder.")

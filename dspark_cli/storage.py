@@ -175,3 +175,21 @@ def sha256_url(url: str, chunk_size: int = 1 << 20) -> str:
         while chunk := f.read(chunk_size):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def check_output(output_url: str, inputs: list[str] = ()) -> None:
+    """Refuse an output URL that is an existing file, or that is, contains or sits inside an input:
+    writing there would destroy the input (and --force would delete it)."""
+    fs, path = url_to_fs(output_url)
+    if fs.isfile(path):
+        raise DsparkError(f"{output_url}: output is an existing file; stages write a folder.",
+                          hint="pass a new folder as --output (-o).")
+    out = canonical(output_url).rstrip("/")
+    for url in inputs:
+        if "://" not in str(url) and not os.path.exists(str(url)):
+            continue  # a hub id or a name, not a location
+        src = canonical(url).rstrip("/")
+        if out == src or out.startswith(src + "/") or src.startswith(out + "/"):
+            where = "is" if out == src else "is inside" if out.startswith(src + "/") else "contains"
+            raise DsparkError(f"{output_url}: output {where} the input {url}.",
+                              hint="write the output to a separate folder.")

@@ -22,7 +22,7 @@ from dspark_cli.data.faults import Failure, RetryPolicy
 from dspark_cli.data.prepare import prepare
 from dspark_cli.data.regen import regen
 from dspark_cli.data.store import ResponseStore
-from dspark_cli.errors import DsparkError, StageConflictError
+from dspark_cli.errors import DsparkError, StageConflictError, StageFailed
 from dspark_cli.schemas import validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,28 +181,52 @@ def test_client_errors_recorded_and_retry_errors_reruns_only_them(tmp_path, fixt
     prompts = _prompts(tmp_path, 12, extra)
     out = str(tmp_path / "responses")
     fixture_server.set_faults(error_500=1.0)  # every request fails: retries run out
-    counts = regen(_cfg(fixture_server, "regen.max_retries=1"), prompts, out).counts
-    assert (counts["responses"], counts["errors"]) == (0, 13)
+    with pytest.raises(StageFailed, match=r"no usable response from 13 prompts \(13 failed.*most common "
+                                          r"\(12×\): server_error 500: injected server error"):
+        regen(_cfg(fixture_server, "regen.max_retries=1"), prompts, out)
+    assert manifest.read_manifest(out) is None  # a run that answered nothing is not done
     errors = {e["id"]: e for e in io.read_file_rows(storage.join(out, "errors.parquet"))}
     assert errors["bad1"]["status_code"] == 400 and errors["bad1"]["attempts"] == 1
     assert errors["bad1"]["message"] == "fixture refuses prompts marked [bad-request]"
     assert errors["c0001"]["kind"] == "server_error" and errors["c0001"]["attempts"] == 2
     assert errors["c0001"]["message"] == "injected server error"
-    assert manifest.read_manifest(out) is not None  # finished, with errors to retry
 
-    fixture_server.set_faults()
+    fixture_server.reset()  # the corrected rerun may change anything (here max_tokens) without --force
+    counts = regen(_cfg(fixture_server, "regen.max_retries=1", "regen.max_tokens=512"), prompts, out).counts
+    assert (counts["responses"], counts["errors"]) == (12, 1)  # the abandoned run was redone whole
+    assert manifest.read_manifest(out) is not None  # finished, with an error to retry
     fixture_server.reset()
-    assert regen(_cfg(fixture_server, "regen.max_retries=1"), prompts, out).state == "done"
-    assert fixture_server.stats()["requests"] == 0  # a plain rerun does not retry errors
-    counts = regen(_cfg(fixture_server, "regen.max_retries=1"), prompts, out, retry_errors=True).counts
+    cfg = _cfg(fixture_server, "regen.max_retries=1", "regen.max_tokens=512")
+    assert regen(cfg, prompts, out).state == "done"
+    assert fixture_server.stats()["requests"] == 0  # a plain rerun of a finished stage retries nothing
+    counts = regen(cfg, prompts, out, retry_errors=True).counts
     assert (counts["responses"], counts["errors"]) == (12, 1)
-    assert fixture_server.stats()["requests"] == 12 + 3 + 1  # 3 follow-up turns, 1 refused prompt
-    rows = _check_complete(prompts, out)
+    assert fixture_server.stats()["requests"] == 1  # only the refused prompt
+    rows = _check_complete(prompts, out, max_tokens=512)
     assert len(rows) == 12
     assert [e["id"] for e in io.read_file_rows(storage.join(out, "errors.parquet"))] == ["bad1"]
     leftover = [row for shard in io.list_shards(storage.join(out, "errors"))
                 for row in io.read_file_rows(shard)]
     assert [r["id"] for r in leftover] == ["bad1"]  # resolved records pruned from the batch files
+
+
+def test_error_share_above_the_limit_fails_and_the_rerun_retries_only_the_failed(tmp_path, fixture_server):
+    prompts = _prompts(tmp_path, 20)
+    out = str(tmp_path / "responses")
+    fixture_server.set_faults(error_500=0.5, seed=4)
+    with pytest.raises(StageFailed, match=r"(\d+) of 20 prompts failed, more than --max-error-share 0.2"):
+        regen(_cfg(fixture_server, "regen.max_retries=0", "regen.max_error_share=0.2"), prompts, out)
+    assert manifest.read_manifest(out) is None
+    kept = ResponseStore(out).scan()
+    assert kept.ok and not kept.errors  # answers kept; the failures are not settled
+    fixture_server.set_faults()
+    fixture_server.reset()
+    cfg = _cfg(fixture_server, "regen.max_retries=0", "regen.max_error_share=0.2")
+    counts = regen(cfg, prompts, out).counts
+    assert (counts["responses"], counts["errors"]) == (20, 0)
+    turns = {f"c{i:04d}": 2 if i % 5 == 0 else 1 for i in range(20)}
+    assert fixture_server.stats()["completions"] == sum(n for i, n in turns.items() if i not in kept.ok)
+    _check_complete(prompts, out)
 
 
 def test_retry_after_is_honoured_and_bounded(tmp_path, fixture_server):
@@ -211,9 +235,10 @@ def test_retry_after_is_honoured_and_bounded(tmp_path, fixture_server):
     out = str(tmp_path / "responses")
     start = time.monotonic()
     cfg = _cfg(fixture_server, "regen.max_retries=2", "regen.retry_max_delay=5")
-    counts = regen(cfg, prompts, out).counts
+    with pytest.raises(StageFailed, match="rate_limit 429: injected rate limit"):  # its only prompt failed
+        regen(cfg, prompts, out)
     elapsed = time.monotonic() - start
-    assert counts["errors"] == 1 and elapsed >= 0.6  # two waits of at least Retry-After
+    assert elapsed >= 0.6  # two waits of at least Retry-After
     assert fixture_server.stats()["faults"]["rate_limit_429"] == 3  # 1 try + 2 retries, then recorded
     error = io.read_file_rows(storage.join(out, "errors.parquet"))[0]
     assert (error["kind"], error["status_code"], error["attempts"]) == ("rate_limit", 429, 3)

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from fixtures.cli import assert_user_error, run_dspark
+from fixtures.openai_server import start_openai_server
+
+from dspark_cli.config import load_config
+from dspark_cli.data.prepare import prepare
+
+MODEL = "fixture-model"
 
 
 def _prompts_jsonl(path, n: int = 4):
@@ -30,4 +37,81 @@ def test_usage_errors_are_clicks_one_line_and_exit_2(tmp_path):
         assert_user_error(proc, culprit)
         assert "Usage:" in proc.stderr or "requires an argument" in proc.stderr, proc.stderr
     fixed = run_dspark("data", "prepare", "--source", src, "-o", str(tmp_path / "out"), cwd=tmp_path)
+    assert fixed.returncode == 0, fixed.stderr
+
+
+# ---- data regen against the fixture server ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server():
+    with start_openai_server(model=MODEL) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("prompts")
+    out = str(root / "prompts")
+    prepare(load_config(None, [f"data.source={_prompts_jsonl(root / 'a.jsonl', 6)}"]), out)
+    return out
+
+
+def _regen(prompts: str, out, server, *extra: str, env: dict[str, str] | None = None):
+    return run_dspark("data", "regen", "-i", prompts, "-o", str(out), "--endpoint", server.url,
+                      "--max-retries", "0", "--concurrency", "4", *extra, env=env)
+
+
+def test_a_failed_probe_claims_nothing(tmp_path, server, prompts):
+    """Wrong --model (probe), then the corrected command: no 'made with another config', no --force."""
+    out = tmp_path / "responses"
+    assert_user_error(_regen(prompts, out, server, "--model", "WRONG"), "WRONG")
+    assert not out.exists() or not list(out.iterdir())
+    fixed = _regen(prompts, out, server, "--model", MODEL)
+    assert fixed.returncode == 0, fixed.stderr
+    assert "responses: 6 of 6 prompts" in fixed.stdout
+
+
+def test_a_run_where_every_request_fails_is_not_done(tmp_path, server, prompts):
+    """All requests fail: exit 1, the count and the server's message, no manifest; the rerun redoes them."""
+    out = tmp_path / "responses"
+    server.reset()
+    server.set_faults(error_500=1.0)
+    try:
+        proc = _regen(prompts, out, server, "--model", MODEL)
+    finally:
+        server.set_faults()
+    line = assert_user_error(proc, "6 prompts", "6 failed", "injected server error", code=1)
+    assert "Traceback" not in line and not (out / "manifest.json").exists()
+    fixed = _regen(prompts, out, server, "--model", MODEL, "--max-tokens", "64")  # may change config
+    assert fixed.returncode == 0, fixed.stderr
+    assert "responses: 6 of 6 prompts" in fixed.stdout and (out / "manifest.json").exists()
+
+
+def test_an_echoed_api_key_is_never_stored_or_printed(tmp_path, server, prompts):
+    """A server that echoes the key and the Authorization header in its errors: redacted everywhere."""
+    secret = "sk-test-SECRET0123456789abcdef"
+    out = tmp_path / "responses"
+    server.reset()
+    server.set_faults(error_500=1.0, echo_auth=True)
+    try:
+        proc = _regen(prompts, out, server, "--model", MODEL, env={"OPENAI_API_KEY": secret})
+    finally:
+        server.set_faults()
+    assert_user_error(proc, "[REDACTED]", code=1)
+    stored = b"".join(p.read_bytes() for p in out.rglob("*") if p.is_file())
+    assert secret not in proc.stdout + proc.stderr and secret.encode() not in stored
+    assert b"REDACTED" in stored  # the message was kept, only the key removed
+    fixed = _regen(prompts, out, server, "--model", MODEL, env={"OPENAI_API_KEY": secret})
+    assert fixed.returncode == 0, fixed.stderr
+
+
+def test_output_onto_an_input_or_an_existing_file_is_one_line(tmp_path, prompts):
+    src = _prompts_jsonl(tmp_path / "a.jsonl")
+    before = src.read_bytes()
+    assert_user_error(run_dspark("data", "prepare", "--source", str(src), "-o", str(src)), "a.jsonl",
+                      "existing file")
+    assert src.read_bytes() == before
+    assert_user_error(run_dspark("data", "regen", "-i", prompts, "-o", prompts, "--endpoint",
+                                 "http://127.0.0.1:9/v1", "--model", MODEL), "output is the input")
+    fixed = run_dspark("data", "prepare", "--source", str(src), "-o", str(tmp_path / "p"))
     assert fixed.returncode == 0, fixed.stderr

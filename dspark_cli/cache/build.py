@@ -26,7 +26,7 @@ import torch
 from .. import manifest, storage
 from ..config import PipelineConfig
 from ..console import console
-from ..errors import DsparkError
+from ..errors import DsparkError, StageFailed
 from ..schemas import validate
 from . import fp8, store
 from .render import render_conversation, template_hash
@@ -288,19 +288,26 @@ def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force:
         say(f"[yellow]warning:[/] {responses_url} has no manifest.json: is `dspark data regen` still "
             "running? The cache covers only the rows present now.")
     rows = list(_read_rows(responses_url))
+    if not rows:
+        raise DsparkError(f"{responses_url}: no responses to cache (0 rows).",
+                          hint="run `dspark data regen` until it answers some prompts, or pass --input.")
     per = cfg.cache.samples_per_shard
     num_shards = -(-len(rows) // per)
+    mine = [k for k in range(num_shards) if k % world == rank]
+    todo = [k for k in mine if run.replaces or not storage.is_committed(store.shard_url(output_url, k))]
+    # The target is loaded (the stage's probe) before the output is claimed: a wrong --target or
+    # layer list leaves nothing that would refuse the corrected rerun.
+    loaded = load_target(cfg.target.model, cfg.target.dtype, cfg.target.device,
+                         cfg.target.trust_remote_code, cfg.target.revision) if todo else None
+    run.claim()
     storage.write_json(storage.join(output_url, LAYOUT_NAME),
                        {"num_shards": num_shards, "num_rows": len(rows), "samples_per_shard": per})
-    mine = [k for k in range(num_shards) if k % world == rank]
-    todo = [k for k in mine if not storage.is_committed(store.shard_url(output_url, k))]
     _clean_own_temporaries(output_url, todo)
     say(f"cache: {len(rows)} samples in {num_shards} shards; worker {rank}/{world} owns {len(mine)}, "
         f"{len(mine) - len(todo)} already committed.")
     stats = Stats()
-    if todo:
-        model, tokenizer = load_target(cfg.target.model, cfg.target.dtype, cfg.target.device,
-                                       cfg.target.trust_remote_code, cfg.target.revision)
+    if loaded is not None:
+        model, tokenizer = loaded
         meta = target_meta(model, tokenizer, cfg, layers)
         writer = ShardWriter(output_url, cfg, layers, meta, stats)
         try:
@@ -399,6 +406,13 @@ def finalize_cache(output_url: str, strict: bool = True, timings: dict[str, floa
               "shards": n, "tokens": tokens, "loss_tokens": extra["num_loss_tokens"], "bytes": stored}
     inputs = spec["inputs"]
     run = manifest.StageRun(STAGE, output_url, config, inputs, "resume")
+    if not extra["num_samples"]:  # nothing to train on: never a finished cache
+        run.abandon()
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items(), key=lambda kv: -kv[1])) or "-"
+        raise StageFailed(f"cache build: all {layout['num_rows']} rows were skipped ({reasons}); "
+                          "the cache would hold no sample.",
+                          hint="raise cache.max_length or lower cache.min_loss_tokens, then rerun "
+                               "(it starts afresh).")
     return run.finish(counts, extra=extra, timings=timings)
 
 

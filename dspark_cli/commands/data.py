@@ -68,11 +68,12 @@ def regen_cmd(
         help="OpenAI-compatible base URL, e.g. http://host:8000/v1 (repeatable).")] = None,
     model: Annotated[str | None, typer.Option(help="Model name as the server knows it.")] = None,
     concurrency: Annotated[int | None, typer.Option(help="Requests in flight per endpoint.")] = None,
-    temperature: Annotated[float | None, typer.Option()] = None,
-    top_p: Annotated[float | None, typer.Option()] = None,
+    temperature: Annotated[float | None, typer.Option(help="Sampling temperature (default 0.7).")] = None,
+    top_p: Annotated[float | None, typer.Option(help="Nucleus sampling mass (default 0.8).")] = None,
     top_k: Annotated[int | None, typer.Option(help="Sent in extra_body.")] = None,
     min_p: Annotated[float | None, typer.Option(help="Sent in extra_body.")] = None,
-    max_tokens: Annotated[int | None, typer.Option()] = None,
+    max_tokens: Annotated[int | None, typer.Option(
+        help="Longest answer per turn, in tokens (default 2048).")] = None,
     thinking: Annotated[bool | None, typer.Option(
         "--thinking/--no-thinking", help="chat_template_kwargs.enable_thinking (default: off).")] = None,
     api_key_env: Annotated[str | None, typer.Option(
@@ -82,6 +83,9 @@ def regen_cmd(
     keep_empty: Annotated[bool | None, typer.Option(
         "--keep-empty/--drop-empty", help="Keep empty answers (default: drop).")] = None,
     max_retries: Annotated[int | None, typer.Option(help="Retries of transient failures.")] = None,
+    max_error_share: Annotated[float | None, typer.Option(
+        help="Fail (no manifest; a rerun retries them) when more than this share of prompts "
+             "failed (default 0.5).")] = None,
     request_timeout: Annotated[float | None, typer.Option(help="Seconds per request.")] = None,
     batch_rows: Annotated[int | None, typer.Option(help="Rows per committed shard.")] = None,
     retry_errors: Annotated[bool, typer.Option(
@@ -95,6 +99,7 @@ def regen_cmd(
         "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
         "max_tokens": max_tokens, "thinking": thinking, "api_key_env": api_key_env,
         "keep_truncated": keep_truncated, "keep_empty": keep_empty, "max_retries": max_retries,
+        "max_error_share": max_error_share,
         "request_timeout": request_timeout, "batch_rows": batch_rows})
     output = output or cfg.stage_url("responses")
     result = regen(cfg, input_, output, force=force, retry_errors=retry_errors)

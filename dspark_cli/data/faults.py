@@ -12,12 +12,18 @@ from __future__ import annotations
 import email.utils
 import json
 import random
+import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import openai
 
+from ..redact import clean
+
 RETRYABLE_STATUS = {408, 409, 429}
+#: Longest server message kept (stored in errors.parquet, shown in warnings).
+MESSAGE_LIMIT = 500
 
 
 @dataclass
@@ -75,22 +81,56 @@ def _server_message(exc: openai.APIStatusError) -> str:
             return str(inner["message"])
         if isinstance(inner, str):
             return inner
+    if isinstance(body, str):
+        return body
     if body is not None:
-        return json.dumps(body, default=str)[:1000]
+        return json.dumps(body, default=str)
     return exc.message
 
 
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__
+
+
+def _refused(exc: BaseException) -> OSError | None:
+    """The OS error under a failed connect (the aiohttp transport reports a refused connection as a
+    *connect timeout*), or None when the connection was not refused or unreachable."""
+    for cause in _causes(exc):
+        if isinstance(cause, ConnectionRefusedError | socket.gaierror):
+            return cause
+        os_error = getattr(cause, "os_error", None)
+        if isinstance(os_error, ConnectionRefusedError | socket.gaierror):
+            return os_error
+    return None
+
+
 def classify(exc: BaseException) -> Failure:
-    """Map an exception from one request to a Failure (retryable or not)."""
+    """Map an exception from one request to a Failure (retryable or not); its message is cleaned
+    (secrets redacted, HTML pages cut to their title, one line) before anyone stores or prints it."""
+    failure = _classify(exc)
+    failure.message = clean(failure.message, MESSAGE_LIMIT)
+    return failure
+
+
+def _classify(exc: BaseException) -> Failure:
+    refused = _refused(exc)
+    if refused is not None:
+        what = "host not found" if isinstance(refused, socket.gaierror) else "connection refused"
+        return Failure("connection", True, f"{what} ({refused})")
     if isinstance(exc, openai.APITimeoutError):
         return Failure("timeout", True, "request timed out")
     if isinstance(exc, openai.APIConnectionError):
         cause = exc.__cause__
         detail = f"{type(cause).__name__}: {cause}" if cause else str(exc)
-        return Failure("connection", True, f"connection error ({detail})"[:1000])
+        return Failure("connection", True, f"connection error ({detail})")
     if isinstance(exc, openai.APIStatusError):
         status = exc.status_code
-        message = _server_message(exc)[:2000]
+        message = _server_message(exc)
         if status == 429:
             return Failure("rate_limit", True, message, status, parse_retry_after(exc.response.headers))
         if status >= 500 or status in RETRYABLE_STATUS:
@@ -98,8 +138,8 @@ def classify(exc: BaseException) -> Failure:
                            parse_retry_after(exc.response.headers))
         return Failure("http_status", False, message, status)
     if isinstance(exc, MalformedResponse | openai.APIResponseValidationError | ValueError):
-        return Failure("malformed", True, f"malformed response ({type(exc).__name__}: {exc})"[:1000])
-    return Failure("unexpected", False, f"{type(exc).__name__}: {exc}"[:1000])
+        return Failure("malformed", True, f"malformed response ({type(exc).__name__}: {exc})")
+    return Failure("unexpected", False, f"{type(exc).__name__}: {exc}")
 
 
 @dataclass

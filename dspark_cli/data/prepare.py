@@ -12,6 +12,7 @@ so a killed run is simply redone (the output is a pure function of input and con
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import time
 from collections import Counter
@@ -57,12 +58,14 @@ def prepare(cfg: PipelineConfig, output_url: str | None = None, force: bool = Fa
     run = manifest.prepare_stage(STAGE, output_url, {"data": data.to_dict()}, inputs, force=force)
     if run.state == "done":
         return PrepareResult(output_url, "done", (manifest.read_manifest(output_url) or {}).get("counts", {}))
+    first = next(raw_rows, None)  # opens and parses the input before anything is claimed
+    rows = raw_rows if first is None else itertools.chain([first], raw_rows)
+    run.claim()
     try:
-        return _write(cfg, output_url, run, input_names, raw_rows)
+        return _write(cfg, output_url, run, input_names, rows)
     except BaseException:
-        if run.state == "fresh":  # nothing worth resuming: leave the output as if never started
-            for name in (io.DATA_DIR, QUARANTINE_NAME, manifest.RUN_NAME):
-                storage.remove(storage.join(output_url, name))
+        if run.state == "fresh":  # nothing worth resuming: the next run starts afresh
+            run.abandon(io.DATA_DIR, QUARANTINE_NAME)
         raise
 
 
@@ -132,8 +135,11 @@ def _write(cfg: PipelineConfig, output_url: str, run: manifest.StageRun, input_n
             flush()
     flush()
     if counts["rows"] == 0:
-        raise DsparkError(f"data.source '{data.source}': no usable conversation "
-                          f"({len(quarantine)} rows quarantined, {counts['duplicates']} duplicates).",
+        # Nothing is written (no quarantine file either): the line carries the first bad row.
+        example = (f"; e.g. {quarantine[0]['input']} row {quarantine[0]['row']}: "
+                   f"{quarantine[0]['reason'][:160]}") if quarantine else ""
+        raise DsparkError(f"data.source '{data.source}': no usable conversation ({len(quarantine)} rows "
+                          f"unusable, {counts['duplicates']} duplicates{example}).",
                           hint="rows need ShareGPT 'conversations', OpenAI 'messages' or 'turns'.")
     io.write_table(storage.join(output_url, QUARANTINE_NAME), quarantine, io.QUARANTINE_SCHEMA)
     counts["quarantined"] = len(quarantine)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,12 +26,13 @@ import openai
 from .. import manifest, storage
 from ..config import PipelineConfig
 from ..console import console
-from ..errors import DsparkError
+from ..errors import DsparkError, StageFailed
+from ..redact import clean, register_secret, shorten
 from ..settings.regen import RegenSettings
 from . import io
 from .faults import Failure, MalformedResponse, RequestFailed, RetryPolicy, classify
 from .progress import RegenCounters, RegenProgress
-from .store import ResponseStore
+from .store import ResponseStore, StoreState
 
 STAGE = "data.regen"
 #: Settings that change what is generated; a resumed run must match them (the rest is operational).
@@ -106,6 +108,7 @@ def api_key(s: RegenSettings) -> str:
     """The key from the environment (never from a file); local servers accept any key."""
     key = os.environ.get(s.api_key_env)
     if key:
+        register_secret(key)  # a server that echoes it must not get it into a stored message
         return key
     if s.api_key_env != "OPENAI_API_KEY":
         raise DsparkError(f"regen.api_key_env: environment variable {s.api_key_env} is not set.",
@@ -113,23 +116,36 @@ def api_key(s: RegenSettings) -> str:
     return "EMPTY"
 
 
+def model_ids(page: Any) -> list[str] | None:
+    """The model ids of a decoded GET /models answer; None when it is not `{"data": [{"id": …}]}`
+    (a web page, a proxy's text, another API)."""
+    data = page.get("data") if isinstance(page, dict) else None
+    if not isinstance(data, list) or not all(isinstance(m, dict) and "id" in m for m in data):
+        return None
+    return [str(m["id"]) for m in data]
+
+
 async def probe(clients: dict[str, openai.AsyncOpenAI], model: str) -> list[str]:
     """Endpoints that answer GET /models and serve `model`; one-line DsparkError when none does."""
 
     async def one(endpoint: str) -> tuple[str, list[str] | None, str]:
         try:
-            page = await clients[endpoint].with_options(timeout=PROBE_TIMEOUT).models.list()
-            return endpoint, [m.id for m in page.data], ""
+            page = await clients[endpoint].with_options(timeout=PROBE_TIMEOUT).get("/models", cast_to=object)
         except Exception as e:  # noqa: BLE001 - every failure means "this endpoint is not usable"
             failure = classify(e)
             status = f"HTTP {failure.status_code}: " if failure.status_code else ""
             return endpoint, None, f"{status}{failure.message}"
+        served = model_ids(page)
+        if served is None:
+            shown = clean(str(page), 120)
+            return endpoint, None, f"its /models answer is not an OpenAI model list: {shown!r}"
+        return endpoint, served, ""
 
     results = await asyncio.gather(*(one(ep) for ep in clients))
     answering = [(ep, served) for ep, served, _ in results if served is not None]
     if not answering:
         detail = "; ".join(f"{ep} ({why})" for ep, _, why in results)
-        raise DsparkError(f"no endpoint answered GET /models: {detail[:600]}",
+        raise DsparkError(f"no endpoint answered GET /models: {shorten(detail, 600)}",
                           hint="start a server (e.g. `vllm serve MODEL`) or fix --endpoint (…/v1).")
     for ep, _, why in results:
         if why:
@@ -328,26 +344,29 @@ def regen(cfg: PipelineConfig, input_url: str | None = None, output_url: str | N
     if run.state == "done" and not retry_errors:
         return RegenResult(output_url, "done", (manifest.read_manifest(output_url) or {}).get("counts", {}))
     store = ResponseStore(output_url)
-    state = store.scan()
-    if retry_errors and run.state == "done":
-        storage.remove(run.manifest_url)  # the stage is open again until the retried errors settle
     ids = _prompt_ids(input_url)
+    state = StoreState() if run.replaces else store.scan()
     # --retry-errors adds the recorded failures to whatever is not settled yet (nothing, once the
     # stage has finished), so the manifest is never written over unattempted prompts.
     pending = set(ids) - state.settled
     if retry_errors:
         pending |= state.errors
+    # The probe runs before the output is claimed: a wrong --model or endpoint leaves nothing behind.
+    endpoints = asyncio.run(_probe(s, key)) if pending else []
+    run.claim()
+    if retry_errors and run.state == "done":
+        storage.remove(run.manifest_url)  # the stage is open again until the retried errors settle
     counters = RegenCounters()
     if pending:
         retried = f", {len(state.errors)} of them recorded errors to retry" if retry_errors else ""
         settled = len(state.settled - pending)
         console.print(f"regen: {len(pending)} of {len(set(ids))} prompts to do ({settled} already "
-                      f"settled{retried}) over {len(s.endpoints)} endpoint(s).")
+                      f"settled{retried}) over {len(endpoints)} endpoint(s).")
         progress = RegenProgress(len(pending), counters, enabled=show_progress)
         job = _Job(s, input_url, store, pending, state.next_index, counters, progress)
         with progress:
             try:
-                asyncio.run(_run(job, s, key))
+                asyncio.run(_run(job, s, key, endpoints))
             except BaseExceptionGroup as group:  # a worker or the writer failed: show that error
                 raise _first_leaf(group) from None
     final = store.finish()  # the one read of the whole output
@@ -357,6 +376,7 @@ def regen(cfg: PipelineConfig, input_url: str | None = None, output_url: str | N
                           f"(e.g. {sorted(unsettled)[0]!r}); rerun to complete them.")
     totals = dict(final.counts)
     totals["prompts"] = len(set(ids))
+    _refuse_unusable(run, store, totals, s.max_error_share)
     totals["requests_this_run"] = counters.requests
     totals["retries_this_run"] = counters.retries
     req_s, tok_s = counters.rates()
@@ -367,6 +387,38 @@ def regen(cfg: PipelineConfig, input_url: str | None = None, output_url: str | N
                                              "requests_per_second": round(req_s, 3),
                                              "output_tokens_per_second": round(tok_s, 3)})
     return RegenResult(output_url, "resume" if run.state == "done" else run.state, totals)
+
+
+def _refuse_unusable(run: manifest.StageRun, store: ResponseStore, totals: dict[str, Any],
+                     max_share: float) -> None:
+    """Fail (no manifest) a run that answered nothing, or whose failed share is above `max_share`.
+
+    With no answer at all the run is abandoned (the corrected rerun starts afresh, whatever it
+    changes); otherwise the answers are kept and the failed prompts' records dropped from the batch
+    files, so the rerun retries exactly them. `errors.parquet` keeps the failures to read.
+    """
+    errors, prompts = totals["errors"], totals["prompts"]
+    if totals["responses"] and errors <= max_share * prompts:
+        return
+    failed = store.error_view()
+    why = ""
+    if failed:
+        common, n = Counter(f"{r['kind']}" + (f" {r['status_code']}" if r["status_code"] else "")
+                            + f": {r['message']}" for r in failed).most_common(1)[0]
+        why = f"; most common ({n}×): {shorten(common, 200)}"
+    if not totals["responses"]:
+        rejected = totals["rejected"]
+        detail = f"{errors} failed, {rejected} rejected (truncated {totals['rejected_truncated']}, " \
+                 f"empty {totals['rejected_empty']})"
+        run.abandon()
+        raise StageFailed(f"data regen: no usable response from {prompts} prompts ({detail}{why}).",
+                          hint=f"see {store.url}/errors.parquet; fix the cause and rerun (it starts afresh)."
+                          if errors else "raise --max-tokens, or pass --keep-truncated / --keep-empty.")
+    storage.remove(store.errors_url)
+    raise StageFailed(f"data regen: {errors} of {prompts} prompts failed, more than "
+                      f"--max-error-share {max_share:g}{why}.",
+                      hint=f"fix the cause and rerun the same command: the {errors} failed prompts are "
+                           f"retried, the {totals['responses']} answers kept.")
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:
@@ -393,14 +445,23 @@ def make_client(endpoint: str, key: str, timeout: float) -> tuple[openai.AsyncOp
     return client, transport
 
 
-async def _run(job: _Job, s: RegenSettings, key: str) -> None:
+async def _probe(s: RegenSettings, key: str) -> list[str]:
+    """The usable endpoints (see `probe`), with short-lived clients of their own."""
+    clients = {ep: make_client(ep, key, s.request_timeout)[0] for ep in dict.fromkeys(s.endpoints)}
+    try:
+        return await probe(clients, s.model)
+    finally:
+        for client in clients.values():
+            await client.close()
+
+
+async def _run(job: _Job, s: RegenSettings, key: str, endpoints: list[str]) -> None:
     clients: dict[str, list[openai.AsyncOpenAI]] = {}
-    for ep in dict.fromkeys(s.endpoints):
+    for ep in endpoints:
         first, transport = make_client(ep, key, s.request_timeout)
         n_clients = -(-s.concurrency // WORKERS_PER_CLIENT[transport])  # ceil
         clients[ep] = [first, *(make_client(ep, key, s.request_timeout)[0] for _ in range(n_clients - 1))]
     try:
-        endpoints = await probe({ep: pool[0] for ep, pool in clients.items()}, s.model)
         await job.run(endpoints, clients)
     finally:
         for pool in clients.values():

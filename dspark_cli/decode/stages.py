@@ -1,7 +1,8 @@
 """The library side of `dspark eval`, `dspark calibrate` and `dspark profile` (usable without the CLI).
 
 Each takes a PipelineConfig plus URLs, goes through `manifest.prepare_stage` (skip when done,
-refuse a changed config, resume otherwise) and writes its manifest last. Eval commits one part
+refuse a changed config, resume otherwise), claims the output only once its inputs are read and its
+models loaded, and writes its manifest last. Eval commits one part
 file per finished dataset, so a killed run redoes only the dataset it was in.
 """
 
@@ -15,7 +16,7 @@ import torch
 from .. import manifest, storage
 from ..config import PipelineConfig
 from ..console import console
-from ..errors import DsparkError
+from ..errors import DsparkError, StageFailed
 from ..schemas import validate
 from . import plots
 from .calibrate import RoundRecords, fit_sts
@@ -86,8 +87,9 @@ def run_eval(cfg: PipelineConfig, target: str, drafter_url: str, output_url: str
     run = manifest.prepare_stage("eval", output_url, config, inputs, force)
     if run.state == "done":
         return None
-    storage.clean_temporaries(output_url)
     model, tokenizer, drafter = load_models(cfg, target, drafter_url)
+    run.claim()  # only once the models loaded: a wrong --target or --drafter leaves nothing behind
+    storage.clean_temporaries(output_url)
     datasets = []
     for url in ev.datasets:
         name = dataset_name(url)
@@ -162,6 +164,7 @@ def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_ur
     if run.state == "done":
         return None
     model, tokenizer, drafter = load_models(cfg, target, drafter_url)
+    run.claim()  # only once the models loaded: a wrong --target or --drafter leaves nothing behind
     if not drafter.config.enable_confidence_head:
         # A DFlash baseline has nothing to calibrate; finishing (rather than failing) keeps a
         # whole-pipeline run going, and eval then uses the fixed schedule without calibration.
@@ -171,7 +174,9 @@ def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_ur
     console.print(f"  decoding {len(convs)} held-out conversations, γ={drafter.block_size} all verified")
     rec = calibration_rounds(cfg, model, tokenizer, drafter, convs)
     if rec is None or len(rec.confidences) == 0:
-        raise DsparkError(f"{dataset_url}: decoding produced no rounds to calibrate on.")
+        run.abandon()  # nothing usable: the rerun with more or other prompts starts afresh
+        raise StageFailed(f"{dataset_url}: decoding produced no rounds to calibrate on.",
+                          hint="pass more or longer prompts (--set calibrate.num_prompts=…).")
     fit = fit_sts(rec, cal.t_min, cal.t_max, cal.t_steps, cal.ece_bins)
     result = {
         "temperatures": fit.temperatures, "dataset": dataset_url, "num_samples": fit.num_samples,
@@ -216,6 +221,7 @@ def run_profile(cfg: PipelineConfig, target: str, output_url: str, batch_tokens:
 
     model, _tok = load_target(target, dtype=cfg.target.dtype, device=cfg.target.device,
                               trust_remote_code=cfg.target.trust_remote_code, revision=cfg.target.revision)
+    run.claim()
     table = profile_target(model, grid, context_length=context_length, repeats=repeats)
     table.meta.update({"target": target, "torch": torch.__version__})
     table.save(storage.join(output_url, "sps.json"))

@@ -37,6 +37,9 @@ class RegenSettings(Section):
     retry_max_delay: float = 60.0
     #: Seconds before one request times out.
     request_timeout: float = 600.0
+    #: The run fails (no manifest; the rerun retries the failed prompts) when more than this share
+    #: of the prompts failed for good. A run that answered nothing always fails.
+    max_error_share: float = 0.5
     #: Rows per committed output shard.
     batch_rows: int = 256
     #: Commit a partial batch after this many seconds, so slow runs lose little when killed.
@@ -55,6 +58,8 @@ class RegenSettings(Section):
             self.fail("top_p", f"must be in (0, 1], got {self.top_p}.")
         if self.max_retries < 0:
             self.fail("max_retries", f"must be >= 0, got {self.max_retries}.")
+        if not 0 <= self.max_error_share <= 1:
+            self.fail("max_error_share", f"must be in [0, 1], got {self.max_error_share}.")
         if self.batch_rows <= 0:
             self.fail("batch_rows", f"must be > 0, got {self.batch_rows}.")
         if self.request_timeout <= 0:

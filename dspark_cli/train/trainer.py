@@ -150,8 +150,18 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     stage_config = {"target": cfg.target.to_dict(), "model": cfg.model.to_dict(), "train": tc.to_dict()}
     # A caller-supplied dataset has no artifact to fingerprint; its URL is only a label.
     inputs = {cache_url: f"dataset:{len(dataset)}" if supplied else fingerprint(cache_url)}
+    def build_drafter() -> DSparkDrafter:
+        torch.manual_seed(tc.seed)
+        built = DSparkDrafter(dcfg)
+        attach_frozen(built, dcfg.target_model)  # reads the target's embedding: the stage's probe
+        return built
+
+    drafter = None
     if world.main:
         run = prepare_stage(STAGE, output_url, stage_config, inputs, force=force)
+        if run.state != "done":
+            drafter = build_drafter()  # before the claim: a wrong target leaves nothing behind
+            run.claim()
     world.barrier()
     if not world.main:
         run = prepare_stage(STAGE, output_url, stage_config, inputs, force=False)
@@ -163,9 +173,7 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     plan = StepPlan(len(dataset), tc.global_batch, tc.micro_batch, world.world_size, world.rank, tc.seed)
     total_steps = tc.max_steps or tc.epochs * plan.steps_per_epoch
 
-    torch.manual_seed(tc.seed)
-    drafter = DSparkDrafter(dcfg)
-    attach_frozen(drafter, dcfg.target_model)
+    drafter = drafter or build_drafter()
     drafter.to(device)
     module: torch.nn.Module = DrafterLoss(drafter, LossWeights(tc.ce_weight, tc.tv_weight, tc.conf_weight,
                                                                tc.gamma_decay), tc.loss_chunk_blocks)
