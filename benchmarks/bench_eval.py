@@ -96,9 +96,11 @@ def self_distilled_drafter(target: str, out: str, prompts: int, steps: int, dtyp
     """No demo drafter yet: the target answers `prompts` bundled prompts itself (as regen would),
     `capture_layers` gives their features exactly as the cache stores them, the real trainer fits a
     1-layer drafter for `steps` steps. A quick stand-in for `make demo`, not a quality result."""
-    from dspark_cli.cache.target import answer_sample, load_target
     from dspark_cli.decode.prompts import load_conversations
-    from dspark_cli.decode.specdec import render_prompt, target_only
+    from dspark_cli.decode.specdec import target_only
+    from dspark_cli.target.capture import answer_sample
+    from dspark_cli.target.chat import render_prompt
+    from dspark_cli.target.model import load_target
     from dspark_cli.train.trainer import train
 
     layers, mask_id = [1, 8, 14, 20, 27], 16  # as pipelines/smollm2-135m.toml

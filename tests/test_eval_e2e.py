@@ -14,7 +14,6 @@ from fixtures.eval_drafter import drafter_settings, train_drafter
 from fixtures.tiny_models import mask_token_id
 
 from dspark_cli import manifest, storage
-from dspark_cli.cache.target import load_target
 from dspark_cli.config import load_config
 from dspark_cli.decode.prompts import Conversation, load_conversations
 from dspark_cli.decode.scheduler import Scheduler
@@ -23,6 +22,7 @@ from dspark_cli.decode.stages import run_calibrate, run_eval
 from dspark_cli.errors import DsparkError
 from dspark_cli.model.export import load_drafter
 from dspark_cli.schemas import validate
+from dspark_cli.target.model import load_target
 
 CONVS = [Conversation("a", ["What is 12 plus 30?", "And plus 2?"]),
          Conversation("b", ["Write a short poem about the sea."], system="Be brief."),
@@ -282,7 +282,7 @@ def test_incremental_features_and_cache_match_a_full_forward_after_rejections(mo
     """At T=1 (rejections, corrections, bonus tokens) the drafter's context stays exactly what a
     fresh forward over the accepted sequence gives, and the KV cache holds every position before
     the anchor."""
-    from dspark_cli.cache.target import capture_layers
+    from dspark_cli.target.capture import capture_layers
 
     model, tokenizer, drafter = models
     decoder = SpeculativeDecoder(model, tokenizer, drafter, Scheduler("fixed", drafter.block_size),

@@ -10,7 +10,8 @@ from dspark_cli.errors import ConfigError
 from dspark_cli.model.attention import BlockLayout, dense_mask
 from dspark_cli.model.config import DrafterConfig
 from dspark_cli.model.drafter import DSparkDrafter
-from dspark_cli.model.frozen import attach_frozen, load_embeddings, load_target_config
+from dspark_cli.model.frozen import attach_frozen, load_embeddings
+from dspark_cli.target.files import load_config
 from dspark_cli.train.blocks import pack
 
 
@@ -40,7 +41,7 @@ class TestConfig:
         assert DrafterConfig.from_json(q.to_json()) == q
 
     def test_mask_token_must_be_a_row_of_the_embedding(self, tiny_qwen3_target):
-        target_config = load_target_config(str(tiny_qwen3_target))
+        target_config = load_config(str(tiny_qwen3_target))
         with pytest.raises(ConfigError, match="mask_token_id 385 is not a row"):
             DrafterConfig.from_target(target_config, layers=LAYERS, mask_token_id=385)
         with pytest.raises(ConfigError, match="never pad/eos"):

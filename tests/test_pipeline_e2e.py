@@ -41,7 +41,7 @@ work_dir = "{tmp / 'work'}"
 [target]
 model = "{target}"
 dtype = "float32"
-layers = [1, 9, 17, 25, 33]
+layers = "auto"  # the cache resolves [1, 9, 17, 25, 33]; train and eval take them from it
 mask_token_id = {mask_token_id(target)}
 
 [data]
@@ -113,7 +113,10 @@ def test_pipeline_killed_midway_then_resumed_completes(tmp_path, tiny_qwen3_targ
     prompts = {r["id"] for r in read_rows(str(work / "prompts"))}
     responses = [r["id"] for r in read_rows(str(work / "responses"))]
     assert sorted(responses) == sorted(prompts)  # every prompt exactly once
-    assert (work / "train" / "export" / "config.json").exists()
+    export = json.loads((work / "train" / "export" / "config.json").read_text())
+    # layers = "auto": resolved once by cache build, recorded, then taken by train (and eval)
+    assert manifest.read_manifest(str(work / "cache"))["extra"]["layers"] == [1, 9, 17, 25, 33]
+    assert export["target_layer_ids"] == [1, 9, 17, 25, 33]
     calibration = json.loads((work / "calibration" / "calibration.json").read_text())
     assert len(calibration["temperatures"]) == 4
     report = json.loads((work / "eval" / "report.json").read_text())

@@ -45,7 +45,7 @@ SMOLLM2_LAYERS = 30  # SmolLM2-135M: llama.block_count in the GGUF (checked by t
 
 @pytest.mark.parametrize("config", CONFIGS)
 def test_pipeline_configs_load_and_match_the_target(config):
-    from dspark_cli.cache.target import auto_layers
+    from dspark_cli.target.layers import auto_layers
 
     cfg = load_config(str(REPO / config), [])
     assert cfg.target.layers == auto_layers(SMOLLM2_LAYERS)

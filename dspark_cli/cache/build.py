@@ -28,16 +28,12 @@ from ..config import PipelineConfig
 from ..console import console
 from ..errors import DsparkError, StageFailed
 from ..schemas import validate
+from ..target.capture import capture_batch
+from ..target.files import load_config, num_layers
+from ..target.layers import resolve_layers
+from ..target.model import Target
 from . import fp8, store
-from .render import render_conversation, template_hash
-from .target import (
-    capture_batch,
-    hidden_size,
-    load_target,
-    num_target_layers,
-    resolve_layers,
-    target_config_hash,
-)
+from .render import render_conversation
 
 LAYOUT_NAME = "_layout.json"
 STAGE = "cache"
@@ -67,17 +63,6 @@ def stage_config(cfg: PipelineConfig, layers: list[int]) -> dict[str, Any]:
                   "storage_dtype": c.storage_dtype, "compression": c.compression,
                   "samples_per_shard": c.samples_per_shard, "chunk_tokens": CHUNK_TOKENS},
     }
-
-
-def load_target_config(cfg: PipelineConfig) -> Any:
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(cfg.target.model, revision=cfg.target.revision,
-                                          trust_remote_code=cfg.target.trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise DsparkError(f"target {cfg.target.model!r}: cannot read its config ({str(e).splitlines()[0]}).",
-                          hint="pass --target with a local folder or hub id of a causal LM.") from e
 
 
 @dataclass
@@ -253,12 +238,11 @@ class ShardWriter:
         self.stats.write_s += time.perf_counter() - t0
 
 
-def target_meta(model: Any, tokenizer: Any, cfg: PipelineConfig, layers: list[int]) -> dict[str, Any]:
-    return {"target": cfg.target.model, "target_config_hash": target_config_hash(model),
-            "layers": layers, "hidden_size": hidden_size(model),
-            "num_target_layers": num_target_layers(model),
-            "vocab_size": int(model.get_input_embeddings().weight.shape[0]),
-            "template_hash": template_hash(tokenizer)}
+def target_meta(target: Target, cfg: PipelineConfig, layers: list[int]) -> dict[str, Any]:
+    """What each shard records about the target (every worker must agree on it)."""
+    return {"target": cfg.target.model, "target_config_hash": target.config_hash,
+            "layers": layers, "hidden_size": target.hidden_size, "num_target_layers": target.num_layers,
+            "vocab_size": target.vocab_size, "template_hash": target.template_hash}
 
 
 def _fmt_bytes(n: float) -> str:
@@ -277,8 +261,8 @@ def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force:
     if force and world > 1:
         raise DsparkError("--force with several workers would let each one delete the others' shards.",
                           hint="remove the output once (or run one worker with --force), then the rest.")
-    target_cfg = load_target_config(cfg)
-    layers = resolve_layers(cfg.target.layers, num_target_layers(target_cfg))
+    t = cfg.target
+    layers = resolve_layers(t.layers, num_layers(load_config(t.model, t.revision, t.trust_remote_code)))
     run = manifest.prepare_stage(STAGE, output_url, stage_config(cfg, layers),
                                  {responses_url: manifest.fingerprint(responses_url)}, force=force)
     if run.state == "done":
@@ -297,8 +281,7 @@ def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force:
     todo = [k for k in mine if run.replaces or not storage.is_committed(store.shard_url(output_url, k))]
     # The target is loaded (the stage's probe) before the output is claimed: a wrong --target or
     # layer list leaves nothing that would refuse the corrected rerun.
-    loaded = load_target(cfg.target.model, cfg.target.dtype, cfg.target.device,
-                         cfg.target.trust_remote_code, cfg.target.revision) if todo else None
+    loaded = Target.from_settings(cfg.target) if todo else None
     run.claim()
     storage.write_json(storage.join(output_url, LAYOUT_NAME),
                        {"num_shards": num_shards, "num_rows": len(rows), "samples_per_shard": per})
@@ -307,8 +290,8 @@ def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force:
         f"{len(mine) - len(todo)} already committed.")
     stats = Stats()
     if loaded is not None:
-        model, tokenizer = loaded
-        meta = target_meta(model, tokenizer, cfg, layers)
+        model, tokenizer = loaded.model, loaded.tokenizer
+        meta = target_meta(loaded, cfg, layers)
         writer = ShardWriter(output_url, cfg, layers, meta, stats)
         try:
             for n, k in enumerate(todo, 1):

@@ -10,9 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import PipelineConfig
+from ..target.files import hidden_size, load_config, num_layers
+from ..target.layers import resolve_layers
 from . import store
-from .build import INPUT_COLUMNS, load_target_config, render_rows
-from .target import hidden_size, num_target_layers, resolve_layers
+from .build import INPUT_COLUMNS, render_rows
 
 #: Measured stored/raw ratios of the hidden-state arrays (see docs/cache.md).
 EXPECTED_RATIO = {("bf16", "blosc"): 1 / 1.30, ("bf16", "zstd"): 1 / 1.24, ("bf16", "none"): 1.0,
@@ -20,15 +21,14 @@ EXPECTED_RATIO = {("bf16", "blosc"): 1 / 1.30, ("bf16", "zstd"): 1 / 1.24, ("bf1
 
 
 def estimate_cache(cfg: PipelineConfig, responses_url: str, sample: int = 2000) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
     from ..data.io import read_rows
+    from ..target.model import load_tokenizer
 
-    config = load_target_config(cfg)
-    layers = resolve_layers(cfg.target.layers, num_target_layers(config))
+    t = cfg.target
+    config = load_config(t.model, t.revision, t.trust_remote_code)
+    layers = resolve_layers(t.layers, num_layers(config))
     m, d = len(layers), hidden_size(config)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.target.model, revision=cfg.target.revision,
-                                              trust_remote_code=cfg.target.trust_remote_code)
+    tokenizer = load_tokenizer(t.model, t.revision, t.trust_remote_code)
     total_rows = 0
     rows: list[dict[str, Any]] = []
     for row in read_rows(responses_url, columns=INPUT_COLUMNS):

@@ -13,27 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import DsparkError
-
-
-def _template_hash_source(tokenizer: Any) -> str:
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        return "\n".join(f"{k}:{v}" for k, v in sorted(template.items()))
-    return template or ""
-
-
-def template_hash(tokenizer: Any) -> str:
-    """sha256 of the chat template: the cache is only valid for the template that rendered it."""
-    import hashlib
-
-    return hashlib.sha256(_template_hash_source(tokenizer).encode()).hexdigest()
+from ..target.chat import render_text
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], thinking: bool, generation: bool) -> str:
-    if not messages:
-        return ""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation,
-                                         enable_thinking=thinking)
+    return render_text(tokenizer, messages, generation=generation, thinking=thinking)
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -99,7 +83,7 @@ def render_conversation(tokenizer: Any, messages: list[dict[str, Any]], thinking
     end-of-turn token; truncated to `max_length` tokens.
     """
     full, spans = assistant_spans(tokenizer, messages, thinking, reasoning)
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)  # = chat.encode + offsets
     ids: list[int] = list(enc["input_ids"])
     offsets: list[tuple[int, int]] = [tuple(o) for o in enc["offset_mapping"]]
     specials = _special_ids(tokenizer)

@@ -18,6 +18,7 @@ import typer
 from rich.table import Table
 
 from ..console import console, out
+from ..errors import DsparkError
 from ._common import load
 from ._options import ConfigOpt, ForceOpt, SetOpt
 
@@ -34,10 +35,11 @@ CacheArg = Annotated[str, typer.Argument(help="Cache URL (path, file://, memory:
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 
 
-def _layers(value: str | None) -> list[int] | str | None:
-    if value is None:
-        return None
-    return [] if value.strip().lower() == "auto" else value
+def _layers(value: str | None) -> str | None:
+    """--layers as given (target.layers parses it); an empty value is refused, not read as auto."""
+    if value is not None and not value.replace(",", "").strip():
+        raise DsparkError(f"--layers {value!r} is empty: give 'auto' or layer ids such as 1,9,17,25,33.")
+    return value
 
 
 def _table(title: str, rows: dict[str, Any]) -> Table:

@@ -50,9 +50,10 @@ def serve(
     from ..serve.app import create_app
     from ..serve.batcher import Batcher
     from ..serve.engine import Engine
+    from ..target.dtypes import DTYPE_NAMES
 
-    if dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise DsparkError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}.")
+    if dtype not in ("auto", *DTYPE_NAMES):
+        raise DsparkError(f"--dtype must be auto or one of {', '.join(DTYPE_NAMES)}, got {dtype!r}.")
     if max_batch_size <= 0 or max_batch_tokens <= 0:
         raise DsparkError("--max-batch-size and --max-batch-tokens must be > 0.")
     if threads:

@@ -36,13 +36,16 @@ def train_command(
     force: ForceOpt = False,
 ) -> None:
     """Train a DSpark (or DFlash baseline) drafter; resumes from the latest checkpoint after a crash."""
+    from ..cache.reader import CacheDataset
     from ..train.trainer import train
 
     cfg = load(config, set_, target={"model": target},
                train={"max_steps": max_steps, "epochs": epochs, "global_batch": global_batch,
                       "micro_batch": micro_batch, "lr": lr, "num_anchors": num_anchors, "device": device})
     output_url = output or cfg.stage_url("train")
-    manifest = train(cfg, cache or cfg.stage_url("cache"), output_url, force=force)
+    cache_url = cache or cfg.stage_url("cache")
+    manifest = train(cfg, cache_url, output_url, force=force,
+                     open_split=lambda split: CacheDataset(cache_url, split=split))
     if manifest is not None:
         final = manifest["extra"].get("final_metrics", {})
         out.print_json(data={"output": output_url, "export": manifest["extra"]["export"],

@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
-from ..cache.target import capture_step
+from ..target.capture import cache_kwarg, capture_step, new_cache
+from ..target.chat import render_prompt, stop_ids
 from .calibrate import apply_temperatures
 from .prompts import Conversation
 from .sampling import probs_from_logits, sample, verify
 from .scheduler import Scheduler, expected_throughput
-from .sps import cache_kwarg, crop_cache
+from .sps import crop_cache
 
 
 @dataclass
@@ -60,21 +61,6 @@ class DecodeStats:
     seconds: float = 0.0
     turns: int = 0
     answers: dict[str, list[str]] = field(default_factory=dict)  # conversation id → answers
-
-
-def render_prompt(tokenizer: Any, messages: list[dict[str, str]], thinking: bool) -> list[int]:
-    """Token ids of the conversation plus the generation prompt, as the endpoint renders it."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=thinking)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def stop_ids(tokenizer: Any, model: Any) -> set[int]:
-    """Tokens that end an answer: the tokenizer's and the generation config's EOS ids."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-    return {int(i) for i in ids if i is not None}
 
 
 class TargetState:
@@ -248,8 +234,6 @@ class SpeculativeDecoder:
 def target_only(model: Any, tokenizer: Any, conversations: list[Conversation], *, temperature: float,
                 max_new_tokens: int, thinking: bool, seed: int = 0) -> DecodeStats:
     """Plain autoregressive decoding of the same prompts: the tokens/s baseline."""
-    from transformers import DynamicCache
-
     stats = DecodeStats(gamma=0)
     gen = torch.Generator().manual_seed(seed)
     stop = stop_ids(tokenizer, model)
@@ -262,7 +246,7 @@ def target_only(model: Any, tokenizer: Any, conversations: list[Conversation], *
         for turn in conv.turns:
             messages.append({"role": "user", "content": turn})
             ids = torch.tensor([render_prompt(tokenizer, messages, thinking)], device=device)
-            cache = DynamicCache(config=model.config)
+            cache = new_cache(model.config)
             out_ids: list[int] = []
             while len(out_ids) < max_new_tokens:
                 logits = model(input_ids=ids, use_cache=True, **{cache_kw: cache}).logits[0, -1]

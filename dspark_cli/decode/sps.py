@@ -22,6 +22,7 @@ import torch
 from .. import storage
 from ..errors import DsparkError
 from ..schemas import validate
+from ..target.capture import cache_kwarg, new_cache
 
 SCHEMA = "sps_table"
 
@@ -111,13 +112,11 @@ def profile_target(model: torch.nn.Module, batch_tokens: list[int], context_leng
     of `repeats` timings is kept; the cache is cropped back after every step so each sees the same
     context.
     """
-    from transformers import DynamicCache
-
     device = next(model.parameters()).device
     vocab = vocab_size or model.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     ctx = torch.randint(0, vocab, (1, context_length), generator=gen).to(device)
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model.config)
     kw = cache_kwarg(model)
     model(input_ids=ctx, use_cache=True, **{kw: cache})
     sps: list[float] = []
@@ -139,13 +138,6 @@ def profile_target(model: torch.nn.Module, batch_tokens: list[int], context_leng
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "threads": torch.get_num_threads()}
     return SpsTable(list(batch_tokens), sps, meta)
-
-
-def cache_kwarg(model: Any) -> str:
-    """Transformers 5 renamed the forward's `past_key_values` to `cache`; use whichever it takes."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def crop_cache(cache: object, length: int) -> None:

@@ -18,6 +18,9 @@ from ..config import PipelineConfig
 from ..console import console
 from ..errors import DsparkError, StageFailed
 from ..schemas import validate
+from ..target import identity
+from ..target.layers import agree_layers
+from ..target.model import Target
 from . import plots
 from .calibrate import RoundRecords, fit_sts
 from .prompts import dataset_name, load_conversations
@@ -27,32 +30,33 @@ from .specdec import SpeculativeDecoder, target_only
 from .sps import SpsTable, default_batch_grid, profile_target
 
 
-def _target_fingerprint(path: str) -> str:
-    """A target is identified by its config (hashing GBs of weights on every run would be slow)."""
-    if not path:
-        raise DsparkError("no target model given.", hint="pass --target PATH_OR_HUB_ID or set target.model.")
-    config = storage.join(path, "config.json")
-    if storage.exists(config):
-        return "config:" + storage.sha256_bytes(storage.read_bytes(config))
-    return "id:" + path
+def _target_input(cfg: PipelineConfig, target: str, output_url: str) -> str:
+    """The target's fingerprint as this stage's input (an earlier release's spelling still matches)."""
+    t = cfg.target
+    return identity.fingerprint(target, t.revision, t.trust_remote_code,
+                                previous=manifest.recorded_input(output_url, target))
 
 
 def load_models(cfg: PipelineConfig, target: str, drafter_url: str) -> tuple[Any, Any, Any]:
-    from ..cache.target import load_target, resolve_device
     from ..model.export import load_drafter
 
-    model, tokenizer = load_target(target, dtype=cfg.target.dtype, device=cfg.target.device,
-                                   trust_remote_code=cfg.target.trust_remote_code,
-                                   revision=cfg.target.revision)
-    drafter = load_drafter(drafter_url, target=target, device=resolve_device(cfg.target.device))
-    return model, tokenizer, drafter
+    loaded = Target.from_settings(cfg.target, path=target)
+    drafter = load_drafter(drafter_url, target=target, device=loaded.device)
+    return loaded.model, loaded.tokenizer, drafter
 
 
-def drafter_block_size(drafter_url: str) -> int:
-    """γ of a drafter from its config alone (fails early, with the model loaders' message)."""
+def drafter_block_size(cfg: PipelineConfig, drafter_url: str) -> int:
+    """γ of a drafter from its config alone (fails early, with the model loaders' message).
+
+    The drafter's layers are the truth; explicit `target.layers` that differ are refused here,
+    before any output is claimed.
+    """
     from ..model.export import read_config, resolve_drafter_url
 
-    return int(read_config(resolve_drafter_url(drafter_url)).block_size)
+    url = resolve_drafter_url(drafter_url)
+    config = read_config(url)
+    agree_layers(cfg.target.layers, list(config.target_layer_ids), f"the drafter {url}")
+    return int(config.block_size)
 
 
 def load_calibration(url: str, gamma: int | None = None) -> list[float]:
@@ -75,11 +79,11 @@ def run_eval(cfg: PipelineConfig, target: str, drafter_url: str, output_url: str
         raise DsparkError("no eval dataset given.", hint="pass --dataset FILE.jsonl (repeatable).")
     # Every input is read and checked before the output is claimed, so a typo costs no --force.
     conversations = {url: load_conversations(url, ev.limit, ev.split) for url in ev.datasets}
-    gamma = drafter_block_size(drafter_url)
+    gamma = drafter_block_size(cfg, drafter_url)
     sps = SpsTable.load(ev.sps) if ev.sps else None
     temps = load_calibration(ev.calibration, gamma) if ev.calibration else None
     inputs = {u: manifest.fingerprint(u) for u in [drafter_url, *ev.datasets]}
-    inputs[target] = _target_fingerprint(target)
+    inputs[target] = _target_input(cfg, target, output_url)
     for extra in (ev.sps, ev.calibration):
         if extra:
             inputs[extra] = manifest.fingerprint(extra)
@@ -156,9 +160,9 @@ def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_ur
     cal = cfg.calibrate
     split = None if dataset_url.endswith((".jsonl", ".json")) else cal.split
     convs = load_conversations(dataset_url, cal.num_prompts, split)
-    drafter_block_size(drafter_url)
+    drafter_block_size(cfg, drafter_url)
     inputs = {drafter_url: manifest.fingerprint(drafter_url), dataset_url: manifest.fingerprint(dataset_url),
-              target: _target_fingerprint(target)}
+              target: _target_input(cfg, target, output_url)}
     config = {"calibrate": cal.to_dict(), "target": {"dtype": cfg.target.dtype}}
     run = manifest.prepare_stage("calibrate", output_url, config, inputs, force)
     if run.state == "done":
@@ -214,13 +218,11 @@ def run_profile(cfg: PipelineConfig, target: str, output_url: str, batch_tokens:
     grid = batch_tokens or default_batch_grid()
     config = {"target": {"dtype": cfg.target.dtype, "device": cfg.target.device},
               "profile": {"batch_tokens": grid, "context_length": context_length, "repeats": repeats}}
-    run = manifest.prepare_stage("profile", output_url, config, {target: _target_fingerprint(target)}, force)
+    inputs = {target: _target_input(cfg, target, output_url)}
+    run = manifest.prepare_stage("profile", output_url, config, inputs, force)
     if run.state == "done":
         return None
-    from ..cache.target import load_target
-
-    model, _tok = load_target(target, dtype=cfg.target.dtype, device=cfg.target.device,
-                              trust_remote_code=cfg.target.trust_remote_code, revision=cfg.target.revision)
+    model = Target.from_settings(cfg.target, path=target).model
     run.claim()
     table = profile_target(model, grid, context_length=context_length, repeats=repeats)
     table.meta.update({"target": target, "torch": torch.__version__})

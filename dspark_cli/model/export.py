@@ -24,6 +24,7 @@ from safetensors.torch import save as st_save
 from .. import storage
 from ..errors import DsparkError
 from ..schemas import validate
+from ..target.dtypes import torch_dtype
 from .config import DrafterConfig
 from .drafter import DSparkDrafter
 from .frozen import attach_frozen
@@ -39,7 +40,6 @@ LEGACY_PRIVATE_KEY = "dspark_config"
 NOOP_MARKOV_RANK = 1
 NOOP_MARKOV_KEYS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
 WEIGHTS = "model.safetensors"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def architecture_for(config: DrafterConfig, requested: str | None = None) -> str:
@@ -121,8 +121,7 @@ def noop_markov_tensors(config: DrafterConfig) -> dict[str, torch.Tensor]:
 def export_drafter(drafter: DSparkDrafter, out_url: str, include_embeddings: bool = False,
                    architecture: str | None = None, dtype: str = "bfloat16") -> dict[str, Any]:
     """Write config.json + model.safetensors to out_url (weights first, config last)."""
-    if dtype not in DTYPES:
-        raise DsparkError(f"export dtype must be one of {', '.join(DTYPES)}, got {dtype!r}.")
+    torch_dt = torch_dtype(dtype, "export dtype")
     arch = architecture_for(drafter.config, architecture)
     config = export_config(drafter.config, arch, dtype)
     validate(config, "drafter_export_config", where=storage.join(out_url, "config.json"))
@@ -132,7 +131,7 @@ def export_drafter(drafter: DSparkDrafter, out_url: str, include_embeddings: boo
     if include_embeddings:
         tensors["embed_tokens.weight"] = drafter.embed_tokens.weight
         tensors["lm_head.weight"] = drafter.lm_head.weight
-    tensors = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in tensors.items()}
+    tensors = {k: v.detach().to("cpu", torch_dt).contiguous() for k, v in tensors.items()}
     storage.write_bytes(storage.join(out_url, WEIGHTS), st_save(tensors, metadata={"format": "pt"}))
     storage.write_json(storage.join(out_url, "config.json"), config)
     return config

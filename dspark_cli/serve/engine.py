@@ -8,16 +8,17 @@ reports text deltas and its finish reason through a callback.
 
 from __future__ import annotations
 
-import inspect
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import DsparkError
+from ..target.capture import cache_kwarg, new_cache
+from ..target.chat import render_prompt
+from ..target.model import Target
 from .sampling import SamplingParams, sample
 
 #: on_event(text_delta, finish_reason): finish_reason is None until the last call, then
@@ -89,44 +90,23 @@ class Engine:
 
     def __init__(self, model_path: str, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, trust_remote_code: bool = False) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        if not Path(model_path).exists() and "/" not in model_path:
-            raise DsparkError(f"model {model_path} is neither a local folder nor a hub id.",
-                              hint="dspark model convert --smollm2 runs/models/smollm2-135m-instruct")
-        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available()
-                                   else ("cpu" if device == "auto" else device))
-        if dtype == "auto":
-            dtype = "bfloat16" if self.device.type == "cuda" or _cpu_has_fast_bf16() else "float32"
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-            self.model = AutoModelForCausalLM.from_pretrained(
-                model_path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code,
-            ).to(self.device).eval()
-        except OSError as e:
-            raise DsparkError(f"cannot load a model from {model_path}: {str(e).splitlines()[0]}",
-                              hint="serve a folder written by `dspark model convert`.") from e
+        target = Target.load(model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        self.model, self.tokenizer, self.device = target.model, target.tokenizer, target.device
         if not getattr(self.tokenizer, "chat_template", None):
             raise DsparkError(f"the tokenizer of {model_path} has no chat template.")
         config = self.model.config
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 4096)
         if max_model_len:
             self.context_length = min(self.context_length, max_model_len)
-        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self.eos_ids = target.stop_ids
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
-        self.dtype = dtype
-        # Transformers ≥ 5.x names the KV cache argument `cache`; older/remote models `past_key_values`.
-        params = inspect.signature(self.model.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.dtype = str(target.dtype).removeprefix("torch.")
+        self._cache_arg = cache_kwarg(self.model)
 
     def render(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
         """Prompt token ids exactly as the chat template renders the conversation."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False, **template_kwargs)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return render_prompt(self.tokenizer, messages, template_kwargs=template_kwargs)
 
     @torch.inference_mode()
     def generate(self, batch: list[Sequence], on_forward: Callable[[int], None] = lambda b: None,
@@ -161,7 +141,7 @@ class Engine:
             input_ids[row, L - len(seq.prompt_ids):] = torch.tensor(seq.prompt_ids)
             attention[row, L - len(seq.prompt_ids):] = 1
         positions = (attention.cumsum(-1) - 1).clamp(min=0)  # [B, L]
-        cache = _new_cache()
+        cache = new_cache()
         on_forward(B)
         out = self._forward(input_ids, attention, positions, cache)
         state = _Running(list(batch), cache, attention, torch.zeros(B, dtype=torch.long),
@@ -251,30 +231,3 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
                 break
     return hold
 
-
-def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    """End-of-turn ids: the generation config's (int or list) plus the tokenizer's eos."""
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(int(v) for v in value)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids
-
-
-def _cpu_has_fast_bf16() -> bool:
-    """True on CPUs with native bf16 matmuls (AVX512-BF16/AMX): there bf16 is ~2x faster than fp32."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def _new_cache() -> Any:
-    from transformers import DynamicCache
-
-    return DynamicCache()

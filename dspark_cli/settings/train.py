@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..target.dtypes import DTYPE_NAMES
 from .base import Section
 
 
@@ -80,5 +81,5 @@ class TrainSettings(Section):
             self.fail("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}.")
         if self.precision not in ("auto", "bf16", "fp32"):
             self.fail("precision", f"must be auto, bf16 or fp32, got {self.precision!r}.")
-        if self.export_dtype not in ("bfloat16", "float16", "float32"):
-            self.fail("export_dtype", f"must be bfloat16, float16 or float32, got {self.export_dtype!r}.")
+        if self.export_dtype not in DTYPE_NAMES:
+            self.fail("export_dtype", f"must be one of {', '.join(DTYPE_NAMES)}, got {self.export_dtype!r}.")

@@ -31,7 +31,11 @@ from ..model.attention import dense_mask, flex_block_mask, use_flex
 from ..model.config import DrafterConfig
 from ..model.drafter import DSparkDrafter
 from ..model.export import export_drafter
-from ..model.frozen import attach_frozen, load_target_config
+from ..model.frozen import attach_frozen
+from ..target.dtypes import resolve_device
+from ..target.files import load_config, num_layers
+from ..target.identity import config_hash
+from ..target.layers import agree_layers, resolve_layers
 from . import checkpoint as ckpt
 from .data import StepPlan, load_batch
 from .loss import DrafterLoss, LossWeights, summarize
@@ -70,15 +74,6 @@ class Dist:
         return t
 
 
-def resolve_device(name: str, local_rank: int) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", local_rank)
-    return device
-
-
 def autocast_for(precision: str, device: torch.device) -> Any:
     """bf16 autocast where supported ('auto': CUDA with bf16), else full precision."""
     use_bf16 = precision == "bf16" or (
@@ -101,41 +96,37 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float) -> Callab
     return factor
 
 
-def open_dataset(cfg: PipelineConfig, cache_url: str, split: str = "train") -> Sequence[dict]:
-    from ..cache.reader import CacheDataset
-
-    return CacheDataset(cache_url, expect_layers=cfg.target.layers or None, split=split)
-
-
 def drafter_config_for(cfg: PipelineConfig, meta: dict[str, Any]) -> DrafterConfig:
-    """Architecture from the target config + [model] + the cache's layers."""
+    """Architecture from the target config + [model] + the layers (the cache's, when it has any)."""
     target = cfg.target.model or meta.get("target", "")
     if not target:
         raise DsparkError("no target model: set target.model (the folder or id the cache was built from).")
-    layers = list(cfg.target.layers or meta.get("layers", []))
-    target_config = load_target_config(target, cfg.target.trust_remote_code)
+    target_config = load_config(target, cfg.target.revision, cfg.target.trust_remote_code)
+    if meta.get("layers"):
+        layers = agree_layers(cfg.target.layers, list(meta["layers"]), "the cache")
+    else:  # a caller-supplied dataset: what `cache build` would have resolved
+        layers = resolve_layers(cfg.target.layers, num_layers(target_config))
     config = DrafterConfig.from_target(target_config, layers=layers, mask_token_id=cfg.target.mask_token_id,
                                        model_settings=cfg.model, target_model=target)
     if meta.get("hidden_size") and int(meta["hidden_size"]) != config.hidden_size:
         raise DsparkError(f"the cache's hidden size {meta['hidden_size']} differs from the target's "
                           f"{config.hidden_size} ({target}).")
-    if meta.get("target_config_hash"):
-        from ..cache.target import target_config_hash
-
-        if target_config_hash(target_config) != meta["target_config_hash"]:
-            raise DsparkError(f"the cache was built from another target than {target} (config hash differs).",
-                              hint="train with the target the cache was built from (--target).")
+    if meta.get("target_config_hash") and config_hash(target_config) != meta["target_config_hash"]:
+        raise DsparkError(f"the cache was built from another target than {target} (config hash differs).",
+                          hint="train with the target the cache was built from (--target).")
     return config
 
 
 def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = False,
           dataset: Sequence[dict] | None = None, validation: Sequence[dict] | None = None,
-          on_step_end: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any] | None:
+          on_step_end: Callable[[int, dict[str, Any]], None] | None = None,
+          open_split: Callable[[str], Sequence[dict]] | None = None) -> dict[str, Any] | None:
     """Train (or resume) a drafter from a cache; returns the stage manifest (None off rank 0).
 
-    `dataset` / `validation` replace the cache reader's train / validation splits (any sequences
-    of contract-3 sample dicts); `on_step_end(step, record)` is called after every optimizer step
-    (monitoring, tests).
+    `open_split(split)` opens a split of the cache at `cache_url` (the command passes the cache
+    reader; train imports no other stage). `dataset` / `validation` replace those splits (any
+    sequences of contract-3 sample dicts); `on_step_end(step, record)` is called after every
+    optimizer step (monitoring, tests).
     """
     tc = cfg.train
     device_type = resolve_device(tc.device, 0).type
@@ -143,11 +134,15 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     device = resolve_device(tc.device, world.local_rank)
     supplied = dataset is not None
     if dataset is None:
-        dataset = open_dataset(cfg, cache_url)
+        if open_split is None:
+            raise DsparkError("train: no dataset and no cache reader given.")
+        dataset = open_split("train")
     meta = dict(getattr(dataset, "meta", {}) or {})
     dcfg = drafter_config_for(cfg, meta)
 
-    stage_config = {"target": cfg.target.to_dict(), "model": cfg.model.to_dict(), "train": tc.to_dict()}
+    # The resolved layers, not the spelling: "auto" and the cache's ids are the same run.
+    stage_config = {"target": {**cfg.target.to_dict(), "layers": list(dcfg.target_layer_ids)},
+                    "model": cfg.model.to_dict(), "train": tc.to_dict()}
     # A caller-supplied dataset has no artifact to fingerprint; its URL is only a label.
     inputs = {cache_url: f"dataset:{len(dataset)}" if supplied else fingerprint(cache_url)}
     def build_drafter() -> DSparkDrafter:
@@ -262,7 +257,7 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     held_out = None
     if world.main and tc.eval_samples > 0:
         if validation is None and not supplied:
-            validation = open_dataset(cfg, cache_url, split="validation")
+            validation = open_split("validation") if open_split is not None else None
         if validation is not None and len(validation) > 0:
             held_out = evaluate(module.module if world.world_size > 1 else module, validation, dcfg,
                                 num_anchors=tc.num_anchors, seed=tc.seed, micro_batch=tc.micro_batch,

@@ -1,0 +1,112 @@
+"""Hidden-state capture: the target's layer outputs and final normed state, one-shot or incremental.
+
+Layer id `i` is `hidden_states[i + 1]` (DESIGN.md §3). The final hidden state is the one after
+the model's last norm: in Transformers 5 the base model's `hidden_states[-1]` (checked in tests:
+`lm_head(final) == logits`). The forward runs on the decoder without lm_head, so it never
+materialises [T, vocab] logits.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_kwarg_of(forward: Any) -> str:
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def cache_kwarg(module: Any) -> str:
+    """Transformers 5 renamed the forward's `past_key_values` to `cache`; the name `module` takes."""
+    return _cache_kwarg_of(type(module).forward)
+
+
+def new_cache(config: Any = None) -> Any:
+    """An empty KV cache (DynamicCache), sized by `config` when given."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config) if config is not None else DynamicCache()
+
+
+def base_model(model: Any) -> Any:
+    """The decoder without lm_head."""
+    base = getattr(model, "base_model_prefix", None)
+    inner = getattr(model, base, None) if base else None
+    return inner if inner is not None else model.get_decoder()
+
+
+@dataclass
+class Capture:
+    """Features of one forward: `hidden` [B, T, m*d], `final` [B, T, d], optional KV cache."""
+
+    hidden: torch.Tensor
+    final: torch.Tensor
+    past_key_values: Any = None
+
+
+@torch.inference_mode()
+def capture_batch(model: Any, input_ids: torch.Tensor, layers: list[int],
+                  attention_mask: torch.Tensor | None = None, past_key_values: Any = None,
+                  use_cache: bool = False) -> Capture:
+    """Forward a [B, T] batch; return the requested layers concatenated and the final normed state.
+
+    Bit-exact against a single-sequence forward only for unpadded batches (equal lengths): padding
+    changes the attention kernels' reduction order. `cache build` therefore batches equal lengths.
+    """
+    device = next(model.parameters()).device
+    base = base_model(model)
+    kwargs: dict[str, Any] = {"input_ids": input_ids.to(device), "use_cache": use_cache,
+                              "output_hidden_states": True}
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask.to(device)
+    if past_key_values is not None:
+        kwargs[cache_kwarg(base)] = past_key_values
+    out = base(**kwargs)
+    states = out.hidden_states  # num_layers + 1 tensors of [B, T, d]
+    hidden = torch.cat([states[i + 1] for i in layers], dim=-1)  # [B, T, m*d]
+    cache = None
+    if use_cache:
+        cache = out["cache"] if "cache" in out.keys() else out.past_key_values
+    return Capture(hidden=hidden, final=out.last_hidden_state, past_key_values=cache)
+
+
+def capture_layers(model: Any, input_ids: torch.Tensor | list[int], layers: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence [T] → (hidden_states [T, m*d], final_hidden [T, d]) in the model's dtype/device."""
+    ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids[None]  # [1, T]
+    cap = capture_batch(model, ids, layers)
+    return cap.hidden[0], cap.final[0]
+
+
+def capture_step(model: Any, new_ids: torch.Tensor | list[int], layers: list[int],
+                 past_key_values: Any = None) -> Capture:
+    """Incremental capture for decoding: feed only new tokens, keep the KV cache (eval's helper)."""
+    ids = torch.as_tensor(new_ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids[None]  # [1, t]
+    if past_key_values is None:
+        past_key_values = new_cache(model.config)
+    cap = capture_batch(model, ids, layers, past_key_values=past_key_values, use_cache=True)
+    return Capture(hidden=cap.hidden[0], final=cap.final[0], past_key_values=cap.past_key_values)
+
+
+def answer_sample(model: Any, sample_id: str, prompt_ids: list[int], answer_ids: list[int],
+                  eos_id: int, layers: list[int]) -> dict[str, Any]:
+    """prompt + answer + eos → one training sample in the cache reader's format, without a cache.
+
+    Supervised (loss_mask) on the answer and its eos only, features stored as bf16 as `cache build`
+    stores them; what self-distillation in benchmarks and test fixtures feeds the trainer.
+    """
+    ids = prompt_ids + answer_ids + [eos_id]
+    hidden, final = capture_layers(model, ids, layers)
+    mask = torch.tensor([0] * len(prompt_ids) + [1] * (len(answer_ids) + 1), dtype=torch.bool)
+    return {"sample_id": sample_id, "input_ids": torch.tensor(ids), "loss_mask": mask,
+            "hidden_states": hidden.to(torch.bfloat16),
+            "final_hidden": (final * mask[:, None]).to(torch.bfloat16)}
