@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -236,8 +235,3 @@ def test_eval_and_calibrate_take_the_drafter_layers(tiny_qwen3_target, tmp_path)
     with pytest.raises(DsparkError, match="but the drafter .* was built with layers"):
         drafter_block_size(load_config(None, ["target.layers=2,6"]), str(tmp_path / "d"))
 
-
-def test_smollm2_pipelines_say_auto():
-    for name in ("smollm2-135m.toml", "smollm2-135m-dflash.toml"):
-        cfg = load_config(str(Path(__file__).parent.parent / "pipelines" / name), [])
-        assert cfg.target.layers == "auto"

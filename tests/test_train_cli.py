@@ -68,3 +68,14 @@ def test_out_of_vocab_mask_token_is_refused(cache, tmp_path, capsys):
                "--set", "target.mask_token_id=385", *[a for s in SETS for a in ("--set", s)])
     err = capsys.readouterr().err
     assert code == 2 and "not a row of the target embedding (vocab size 385)" in err
+
+
+def test_explicit_layers_other_than_the_cache_are_refused(cache, tiny_qwen3_target, tmp_path, capsys):
+    """The cache's layers are the truth ("auto" takes them); only explicitly different ones fail."""
+    mask = f"target.mask_token_id={mask_token_id(tiny_qwen3_target)}"
+    code = run("train", "--cache", cache, "--output", str(tmp_path / "t"), "--max-steps", "1",
+               "--set", "target.layers=1,9,17", "--set", mask, *[a for s in SETS for a in ("--set", s)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "error: target.layers is [1, 9, 17], but the cache was built with layers [1, 9, 17, 25, 33]" in err
+    assert not (tmp_path / "t").exists()  # refused before the output is claimed
