@@ -115,3 +115,39 @@ def test_output_onto_an_input_or_an_existing_file_is_one_line(tmp_path, prompts)
                                  "http://127.0.0.1:9/v1", "--model", MODEL), "output is the input")
     fixed = run_dspark("data", "prepare", "--source", str(src), "-o", str(tmp_path / "p"))
     assert fixed.returncode == 0, fixed.stderr
+
+
+# ---- eval / calibrate early exits ----------------------------------------------------------------
+
+def _random_export(target, out) -> str:
+    import torch
+    from fixtures.drafter import drafter_config
+
+    from dspark_cli.model.drafter import DSparkDrafter
+    from dspark_cli.model.export import export_drafter
+    from dspark_cli.model.frozen import attach_frozen
+
+    torch.manual_seed(0)
+    drafter = DSparkDrafter(drafter_config(target, num_draft_layers=1))
+    attach_frozen(drafter, str(target))
+    export_drafter(drafter, str(out), dtype="float32")
+    return str(out)
+
+
+def test_early_exits_of_eval_and_calibrate_never_abort(tmp_path, tiny_qwen3_target):
+    """A bad --drafter with a Parquet dataset: exit 2 every time (it used to abort with 134 now and then
+    in Arrow's thread pools' teardown)."""
+    src = _prompts_jsonl(tmp_path / "a.jsonl", 4)
+    prompts = str(tmp_path / "prompts")
+    prepare(load_config(None, [f"data.source={src}", "data.val_fraction=0.5"]), prompts)
+    common = ["--target", str(tiny_qwen3_target), "--dataset", prompts]
+    for i in range(5):
+        cmd = ["eval", "-o", str(tmp_path / "ev")] if i % 2 == 0 else ["calibrate", "-o", str(tmp_path / "c")]
+        proc = run_dspark(*cmd, *common, "--drafter", str(tmp_path / "nosuch"))
+        assert "terminate called" not in proc.stderr
+        assert_user_error(proc, "nosuch")
+    drafter = _random_export(tiny_qwen3_target, tmp_path / "export")
+    fixed = run_dspark("eval", "-o", str(tmp_path / "ev"), *common, "--drafter", drafter, "--limit", "1",
+                       "--max-new-tokens", "4", "--set", "target.dtype=float32", "--no-baseline")
+    assert fixed.returncode == 0, fixed.stderr
+    assert (tmp_path / "ev" / "report.json").exists()

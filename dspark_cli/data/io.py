@@ -108,8 +108,12 @@ def write_table(url: str, rows: list[dict[str, Any]], schema: pa.Schema) -> None
 
 
 def read_table(url: str, columns: list[str] | None = None) -> pa.Table:
+    """One whole shard, decoded on this thread. `pq.read_table` starts Arrow's worker pools (even
+    with use_threads=False), and a process that exits soon after (an error right after reading)
+    can then abort in their teardown: `terminate called without an active exception`, exit 134."""
     try:
-        return pq.read_table(io.BytesIO(storage.read_bytes(url)), columns=columns)
+        parquet = pq.ParquetFile(pa.BufferReader(storage.read_bytes(url)))
+        return parquet.read(columns=columns, use_threads=False)
     except (pa.ArrowInvalid, OSError) as e:
         raise DsparkError(f"{url}: not a readable Parquet file ({e}).") from e
 

@@ -5,7 +5,6 @@ or a Hugging Face dataset id. Yields raw rows, or the reason a raw record could 
 from __future__ import annotations
 
 import glob as globlib
-import io
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -104,14 +103,15 @@ def _json_records(url: str, data: bytes) -> Iterator[RawRow]:
 
 
 def _parquet_records(url: str, data: bytes) -> Iterator[RawRow]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        parquet = pq.ParquetFile(io.BytesIO(data))
+        parquet = pq.ParquetFile(pa.BufferReader(data))
     except Exception as e:  # noqa: BLE001 - any pyarrow failure means the same thing here
         raise DsparkError(f"{url}: not a readable Parquet file ({e}).") from e
     index = 0
-    for batch in parquet.iter_batches(batch_size=4096):
+    for batch in parquet.iter_batches(batch_size=4096, use_threads=False):  # see io.read_table
         for row in batch.to_pylist():
             yield RawRow(url, index, row=row)
             index += 1
