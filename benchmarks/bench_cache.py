@@ -24,12 +24,13 @@ from pathlib import Path
 import torch
 
 from dspark_cli.cache import store
-from dspark_cli.cache.build import assemble, build_cache, forward_samples, render_rows
+from dspark_cli.cache.build import assemble, build_cache
 from dspark_cli.cache.reader import CacheDataset, ShardLocalSampler
 from dspark_cli.config import load_config
 from dspark_cli.data.io import RESPONSE_SCHEMA, shard_name, write_table
 from dspark_cli.target.layers import resolve_layers
 from dspark_cli.target.model import load_target
+from dspark_cli.target.samples import forward_samples, render_rows
 
 
 def smollm2(work: Path) -> Path:

@@ -17,7 +17,6 @@ from typer.testing import CliRunner
 from dspark_cli import manifest, storage
 from dspark_cli.cache.build import build_cache, finalize_cache
 from dspark_cli.cache.reader import CacheDataset, ShardLocalSampler
-from dspark_cli.cache.render import render_conversation
 from dspark_cli.cache.verify import summary, verify_cache
 from dspark_cli.commands import cache as cache_commands
 from dspark_cli.config import load_config
@@ -25,6 +24,7 @@ from dspark_cli.errors import DsparkError
 from dspark_cli.target.identity import config_hash
 from dspark_cli.target.layers import auto_layers, resolve_layers
 from dspark_cli.target.model import load_target
+from dspark_cli.target.render import render_conversation
 
 LAYERS = [1, 9, 17, 25, 33]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from fixtures.tiny_models import build_tokenizer
 
-from dspark_cli.cache.render import render_conversation
 from dspark_cli.target.identity import template_hash
+from dspark_cli.target.render import render_conversation
 
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},

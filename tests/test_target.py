@@ -77,12 +77,12 @@ CONVERSATION = [
 def test_cache_eval_and_serve_render_the_same_ids_and_stops(tiny_qwen3_target, thinking):
     from fixtures.drafter import drafter_config
 
-    from dspark_cli.cache.render import render_conversation
     from dspark_cli.decode.prompts import Conversation
     from dspark_cli.decode.scheduler import Scheduler
     from dspark_cli.decode.specdec import SpeculativeDecoder
     from dspark_cli.model.drafter import DSparkDrafter
     from dspark_cli.serve.engine import Engine
+    from dspark_cli.target.render import render_conversation
 
     target = Target.load(str(tiny_qwen3_target), "float32", "cpu")
     engine = Engine(str(tiny_qwen3_target), dtype="float32", device="cpu")

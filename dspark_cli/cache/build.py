@@ -28,18 +28,16 @@ from ..config import PipelineConfig
 from ..console import console
 from ..errors import DsparkError, StageFailed
 from ..schemas import validate
-from ..target.capture import capture_batch
 from ..target.files import load_config, num_layers
 from ..target.layers import resolve_layers
 from ..target.model import Target
+from ..target.samples import Sample, forward_samples, read_response_rows, render_rows
 from . import fp8, store
-from .render import render_conversation
 
 LAYOUT_NAME = "_layout.json"
 STAGE = "cache"
 #: Rows of one inner Zarr chunk: a sample read touches at most two chunks it does not need.
 CHUNK_TOKENS = 64
-INPUT_COLUMNS = ["id", "split", "messages", "reasoning", "thinking"]
 
 
 def worker_rank(num_workers: int | None, worker_index: int | None) -> tuple[int, int]:
@@ -66,16 +64,6 @@ def stage_config(cfg: PipelineConfig, layers: list[int]) -> dict[str, Any]:
 
 
 @dataclass
-class Sample:
-    sample_id: str
-    split: str
-    input_ids: list[int]
-    loss_mask: list[int]
-    hidden: torch.Tensor | None = None  # bf16 [T, m*d]
-    final: torch.Tensor | None = None  # bf16 [K, d], loss positions only
-
-
-@dataclass
 class ShardJob:
     index: int
     samples: list[Sample]
@@ -94,59 +82,6 @@ class Stats:
     write_s: float = 0.0
     wait_s: float = 0.0
     started: float = field(default_factory=time.time)
-
-
-def render_rows(tokenizer: Any, rows: list[dict[str, Any]], max_length: int, min_loss_tokens: int
-                ) -> tuple[list[Sample], dict[str, int], list[str]]:
-    """Render a shard's rows; too-short or unrenderable samples are skipped with a reason."""
-    samples: list[Sample] = []
-    skipped: dict[str, int] = {}
-    skipped_ids: list[str] = []
-
-    def skip(row: dict[str, Any], reason: str) -> None:
-        skipped[reason] = skipped.get(reason, 0) + 1
-        if len(skipped_ids) < 20:
-            skipped_ids.append(str(row.get("id")))
-
-    for row in rows:
-        messages = row.get("messages") or []
-        if not any(m.get("role") == "assistant" for m in messages):
-            skip(row, "no_assistant_turn")
-            continue
-        try:
-            ids, mask = render_conversation(tokenizer, messages, bool(row.get("thinking")), max_length,
-                                            reasoning=row.get("reasoning"))
-        except DsparkError:
-            skip(row, "template_mismatch")
-            continue
-        if sum(mask) < min_loss_tokens:
-            skip(row, "too_few_loss_tokens")
-            continue
-        samples.append(Sample(str(row["id"]), str(row.get("split") or "train"), ids, mask))
-    return samples, skipped, skipped_ids
-
-
-def forward_samples(model: Any, samples: list[Sample], layers: list[int], batch_tokens: int) -> int:
-    """Fill each sample's features; equal-length samples share a forward (no padding: bit-exact)."""
-    by_length: dict[int, list[Sample]] = {}
-    for s in samples:
-        by_length.setdefault(len(s.input_ids), []).append(s)
-    tokens = 0
-    for length in sorted(by_length):
-        group = by_length[length]
-        per_batch = max(1, batch_tokens // length)
-        for i in range(0, len(group), per_batch):
-            batch = group[i:i + per_batch]
-            ids = torch.tensor([s.input_ids for s in batch], dtype=torch.long)  # [B, T]
-            cap = capture_batch(model, ids, layers)
-            hidden = cap.hidden.to(torch.bfloat16).cpu()  # [B, T, m*d]
-            final = cap.final.to(torch.bfloat16).cpu()  # [B, T, d]
-            for b, s in enumerate(batch):
-                mask = torch.tensor(s.loss_mask, dtype=torch.bool)
-                s.hidden = hidden[b].clone()
-                s.final = final[b][mask].clone()  # [K, d]
-            tokens += ids.numel()
-    return tokens
 
 
 def _bits(x: torch.Tensor) -> np.ndarray:
@@ -271,7 +206,7 @@ def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force:
     if not storage.exists(storage.join(responses_url, manifest.MANIFEST_NAME)):
         say(f"[yellow]warning:[/] {responses_url} has no manifest.json: is `dspark data regen` still "
             "running? The cache covers only the rows present now.")
-    rows = list(_read_rows(responses_url))
+    rows = list(read_response_rows(responses_url))
     if not rows:
         raise DsparkError(f"{responses_url}: no responses to cache (0 rows).",
                           hint="run `dspark data regen` until it answers some prompts, or pass --input.")
@@ -323,12 +258,6 @@ def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force:
         say("cache: other workers' shards are still missing; the last one to finish (or "
             "`dspark cache finalize`) writes the manifest.")
     return summary
-
-
-def _read_rows(url: str) -> Any:
-    from ..data.io import read_rows
-
-    return read_rows(url, columns=INPUT_COLUMNS)
 
 
 def _clean_own_temporaries(output_url: str, shards: list[int]) -> None:

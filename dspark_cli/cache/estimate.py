@@ -12,8 +12,8 @@ from typing import Any
 from ..config import PipelineConfig
 from ..target.files import hidden_size, load_config, num_layers
 from ..target.layers import resolve_layers
+from ..target.samples import INPUT_COLUMNS, render_rows
 from . import store
-from .build import INPUT_COLUMNS, render_rows
 
 #: Measured stored/raw ratios of the hidden-state arrays (see docs/cache.md).
 EXPECTED_RATIO = {("bf16", "blosc"): 1 / 1.30, ("bf16", "zstd"): 1 / 1.24, ("bf16", "none"): 1.0,

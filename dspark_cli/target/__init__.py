@@ -6,6 +6,9 @@ and serve need to know about it (DESIGN.md §3).
     files.py     where its files are (a local folder never touches the hub), its config, sizes
     identity.py  what identifies it: config hash, stage-input fingerprint, chat-template hash
     chat.py      chat rendering (the thinking flag) and the stop-token ids
+    render.py    a whole conversation → token ids and the loss mask (what the target generated)
+    samples.py   responses → training samples: skip rules and features, for cache build and
+                 online training alike
     capture.py   hidden-state capture (one-shot, batched, incremental), the KV-cache argument
     model.py     loading weights and tokenizer; `Target`, the loaded model with all of the above
 
