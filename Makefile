@@ -26,7 +26,7 @@ test-all: install
 	$(BIN)/python -m pytest -q -m "" tests
 
 lint: install
-	$(BIN)/ruff check dspark_cli tests benchmarks
+	$(BIN)/ruff check dspark_cli tests tests_engines benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info

