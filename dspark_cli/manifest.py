@@ -44,6 +44,8 @@ def fingerprint(url: str) -> str:
     if fs.isdir(path):
         digest = hashlib.sha256()
         for file in sorted(fs.find(path)):
+            if file.rsplit("/", 1)[-1] == "README.md":
+                continue  # the export's model card, rewritten by later stages (model/card.py)
             digest.update(file[len(path):].encode())
             digest.update(storage.sha256_url(fs.unstrip_protocol(file)).encode())
         return "tree:" + digest.hexdigest()

@@ -60,6 +60,9 @@ def test_train_writes_the_contract_5_layout_on_memory(tiny_qwen3_target, samples
     assert storage.read_text(storage.join(out, "checkpoints", "latest")).strip() == "step-00000004"
     assert storage.exists(storage.join(out, "export", "config.json"))
     assert storage.exists(storage.join(out, "export", "model.safetensors"))
+    card = storage.read_text(storage.join(out, "export", "README.md"))  # model card + engines check
+    assert "SGLang: loads" in card and "--speculative-algorithm DSPARK" in card
+    assert "4 steps × global batch" in card
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:

@@ -53,9 +53,19 @@ def calibrate_cmd(
     if "skipped" in result:
         out.print(f"calibrate: skipped ({result['skipped']}) → {output}")
         return
+    _engines(drafter_url)
     temps = ", ".join(f"{t:.3f}" for t in result["temperatures"])
     out.print(f"temperatures: [{temps}]  ECE {result['ece_before']:.4f} → {result['ece_after']:.4f} "
               f"({result['num_samples']} rounds) → {output}/calibration.json")
+
+
+def _engines(drafter_url: str) -> None:
+    """The export's card now carries the STS file: rewrite it, print the engines check's line."""
+    from ..model.card import refresh_card
+
+    line = refresh_card(drafter_url)
+    if line:
+        console.print(line)
 
 
 def register(app: typer.Typer) -> None:

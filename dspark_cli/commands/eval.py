@@ -80,6 +80,10 @@ def eval_cmd(
     if scheduler_table is not None:
         out.print(scheduler_table)
     out.print(f"report: {output}/report.json")
+    from ..model.card import refresh_card
+
+    if output == cfg.stage_url("eval"):  # the card reads <work_dir>/eval: only then is it news
+        refresh_card(drafter_url)
 
 
 @eval_app.command("audit")

@@ -28,6 +28,7 @@ from ..console import console
 from ..errors import DsparkError
 from ..manifest import fingerprint, prepare_stage
 from ..model.attention import dense_mask, flex_block_mask, use_flex
+from ..model.card import refresh_card
 from ..model.config import DrafterConfig
 from ..model.drafter import DSparkDrafter
 from ..model.export import export_drafter
@@ -276,6 +277,9 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
                    "world_size": world.world_size, "final_metrics": record, "validation": held_out},
         )
         console.print(f"[green]✓[/] train: exported {export_url}")
+        engines = refresh_card(export_url)  # README.md + the engines check (docs/engines.md)
+        if engines:
+            console.print(engines)
     world.barrier()
     if world.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
