@@ -167,7 +167,7 @@ def main() -> None:
     t0 = time.perf_counter()
     got_tokens = 0
     for i in sampler:
-        got_tokens += int(ds[i]["input_ids"].numel())
+        got_tokens += int(ds[i].input_ids.numel())
     read_s = time.perf_counter() - t0
     print(f"reader: {len(ds)} samples in {read_s:.2f} s = {len(ds) / read_s:,.0f} samples/s, "
           f"{got_tokens / read_s:,.0f} tokens/s, {extra['bytes'] / read_s / 2**20:,.1f} MB/s stored")

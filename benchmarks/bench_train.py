@@ -53,6 +53,7 @@ def child(args: argparse.Namespace) -> None:
     from dspark_cli.model.config import DrafterConfig
     from dspark_cli.model.drafter import DSparkDrafter
     from dspark_cli.model.frozen import attach_frozen
+    from dspark_cli.sample import Sample
     from dspark_cli.target.files import load_config
     from dspark_cli.train.anchors import anchor_generator, sample_anchors
     from dspark_cli.train.blocks import pack
@@ -61,9 +62,9 @@ def child(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(0)
     loss_mask = torch.zeros(SEQ, dtype=torch.bool)
     loss_mask[32:] = True
-    sample = {"input_ids": torch.randint(0, VOCAB - 1, (SEQ,), generator=gen), "loss_mask": loss_mask,
-              "hidden_states": torch.randn(SEQ, len(LAYERS) * HIDDEN, generator=gen).to(torch.bfloat16),
-              "final_hidden": torch.randn(SEQ, HIDDEN, generator=gen).to(torch.bfloat16)}
+    sample = Sample("bench", torch.randint(0, VOCAB - 1, (SEQ,), generator=gen), loss_mask,
+                    torch.randn(SEQ, len(LAYERS) * HIDDEN, generator=gen).to(torch.bfloat16),
+                    torch.randn(int(loss_mask.sum()), HIDDEN, generator=gen).to(torch.bfloat16))
     settings = {"num_draft_layers": args.draft_layers, "block_size": GAMMA}
     config = DrafterConfig.from_target(load_config(args.target), layers=LAYERS,
                                        mask_token_id=VOCAB - 1, model_settings=settings,

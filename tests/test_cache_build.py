@@ -68,20 +68,21 @@ def test_stored_states_are_the_targets_hidden_states_bit_for_bit(local_cache, ti
     assert manifest.read_manifest(local_cache)["counts"]["skipped"] == {"too_few_loss_tokens": 1}
     for i in range(len(ds)):
         item = ds[i]
-        row = rows[item["sample_id"]]
+        row = rows[item.sample_id]
         ids, mask = render_conversation(tokenizer, row["messages"], row["thinking"], 4096)
-        assert item["input_ids"].tolist() == ids and item["loss_mask"].int().tolist() == mask
+        assert item.input_ids.tolist() == ids and item.loss_mask.int().tolist() == mask
         with torch.no_grad():
             out = model.model(torch.tensor([ids]), output_hidden_states=True)
             logits = model(torch.tensor([ids])).logits[0]
         expected = torch.cat([out.hidden_states[i + 1][0] for i in LAYERS], dim=-1)
-        assert item["hidden_states"].dtype == torch.bfloat16
-        assert torch.equal(item["hidden_states"], expected)
-        loss = item["loss_mask"]
-        assert torch.equal(item["final_hidden"][loss], out.hidden_states[-1][0][loss])
-        assert not item["final_hidden"][~loss].any()
+        assert item.hidden_states.dtype == torch.bfloat16
+        assert torch.equal(item.hidden_states, expected)
+        loss = item.loss_mask
+        # final_hidden is compact: one row per loss-mask position, nothing stored or read in between
+        assert torch.equal(item.final_positions, loss.nonzero().squeeze(-1))
+        assert torch.equal(item.final_hidden, out.hidden_states[-1][0][loss])
         # The final state is after the last norm: the frozen lm_head gives the target's logits.
-        assert torch.equal(model.lm_head(item["final_hidden"][loss]), logits[loss])
+        assert torch.equal(model.lm_head(item.final_hidden), logits[loss])
         assert ds.split_of(i) == row["split"]
 
 
@@ -119,7 +120,7 @@ def test_build_verify_read_on_remote_storage(backend, request, local_cache, tiny
     assert sorted(order) == list(range(len(ds)))
     for i in order:
         a, b = ds[i], ref[i]
-        assert a["sample_id"] == b["sample_id"] and torch.equal(a["hidden_states"], b["hidden_states"])
+        assert a.sample_id == b.sample_id and torch.equal(a.hidden_states, b.hidden_states)
 
 
 def test_verify_names_the_shard_and_array_with_a_flipped_byte(local_cache, tmp_path):
@@ -143,9 +144,9 @@ def test_fp8_storage_is_smaller_and_close(local_cache, tiny_qwen3_target, respon
     assert fp8["storage_dtype"] == "fp8" and fp8["bytes"] < 0.75 * ref["bytes"]
     q, exact = CacheDataset(out), CacheDataset(local_cache)
     for i in range(len(q)):
-        a, b = q[i]["hidden_states"].float(), exact[i]["hidden_states"].float()
+        a, b = q[i].hidden_states.float(), exact[i].hidden_states.float()
         assert (a - b).norm() / b.norm() < 0.05
-        fa, fb = q[i]["final_hidden"].float(), exact[i]["final_hidden"].float()
+        fa, fb = q[i].final_hidden.float(), exact[i].final_hidden.float()
         assert (fa - fb).norm() / fb.norm() < 0.05
     # build and estimate count the fp8 layout's bytes with one formula
     result = invoke("estimate", "--responses", responses, "--target", str(tiny_qwen3_target), "--layers",
@@ -211,9 +212,9 @@ def test_reader_survives_pickling_for_dataloader_workers(local_cache):
     ds = CacheDataset(local_cache)
     ds[0]
     clone = pickle.loads(pickle.dumps(ds))
-    assert torch.equal(clone[3]["hidden_states"], ds[3]["hidden_states"])
+    assert torch.equal(clone[3].hidden_states, ds[3].hidden_states)
     loader = torch.utils.data.DataLoader(ds, batch_size=None, sampler=ShardLocalSampler(ds, seed=2))
-    assert sorted(item["sample_id"] for item in loader) == sorted(ds[i]["sample_id"] for i in range(len(ds)))
+    assert sorted(item.sample_id for item in loader) == sorted(ds[i].sample_id for i in range(len(ds)))
 
 
 def test_force_with_several_workers_is_refused(tiny_qwen3_target, responses, memory_url):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from fixtures.drafter import LAYERS, drafter_config, make_samples
@@ -108,7 +110,7 @@ def _pack_one(sample, anchors, config):
 def test_block_sees_only_context_before_its_anchor_and_its_own_block(tiny_qwen3_target, samples):
     drafter = build(tiny_qwen3_target)
     sample = samples[0]
-    first = int(torch.nonzero(sample["loss_mask"])[0])
+    first = int(torch.nonzero(sample.loss_mask)[0])
     anchors = [first + 2, first + 8]
     batch = _pack_one(sample, anchors, drafter.config)
     mask = dense_mask(batch.layout)
@@ -133,9 +135,9 @@ def test_draft_block_samples_from_the_training_distribution(tiny_qwen3_target, s
     """The sampled block's probs equal the teacher-forced training logits for the tokens it drew."""
     drafter = build(tiny_qwen3_target, markov_head_type=markov)
     sample = samples[1]
-    anchor = int(torch.nonzero(sample["loss_mask"])[0]) + 3
+    anchor = int(torch.nonzero(sample.loss_mask)[0]) + 3
     gen = torch.Generator().manual_seed(7)
-    block = drafter.draft_block(sample["hidden_states"][:anchor], int(sample["input_ids"][anchor]), anchor,
+    block = drafter.draft_block(sample.hidden_states[:anchor], int(sample.input_ids[anchor]), anchor,
                                 temperature=1.0, generator=gen)
     gamma = drafter.block_size
     assert block.tokens.shape == (gamma,) and block.probs.shape == (gamma, drafter.config.vocab_size)
@@ -146,7 +148,7 @@ def test_draft_block_samples_from_the_training_distribution(tiny_qwen3_target, s
     with torch.no_grad():
         h = drafter(batch.block_input_ids, batch.block_position_ids, batch.context_hidden,
                     batch.context_position_ids, dense_mask(batch.layout))  # [1, γ, d]
-        prev = torch.cat([torch.tensor([int(sample["input_ids"][anchor])]), block.tokens[:-1]]).unsqueeze(0)
+        prev = torch.cat([torch.tensor([int(sample.input_ids[anchor])]), block.tokens[:-1]]).unsqueeze(0)
         logits = drafter.lm_head(h) + drafter.markov_head.bias(drafter.markov_head.features(prev, h))
         conf = torch.sigmoid(drafter.confidence_head(h, drafter.markov_head.embed_prev(prev)))
     assert torch.allclose(block.probs, torch.softmax(logits[0], -1), atol=1e-5)
@@ -154,14 +156,14 @@ def test_draft_block_samples_from_the_training_distribution(tiny_qwen3_target, s
 
 
 def greedy(drafter, sample, anchor):
-    ctx, token = sample["hidden_states"][:anchor], int(sample["input_ids"][anchor])
+    ctx, token = sample.hidden_states[:anchor], int(sample.input_ids[anchor])
     return drafter.draft_block(ctx, token, anchor, 0.0)
 
 
 def test_greedy_is_argmax_and_cache_matches_fresh(tiny_qwen3_target, samples):
     drafter = build(tiny_qwen3_target)
     sample = samples[2]
-    start = int(torch.nonzero(sample["loss_mask"])[0])
+    start = int(torch.nonzero(sample.loss_mask)[0])
     results = []
     for anchor in (start + 1, start + 4, start + 2, start + 6):  # grows, rolls back, grows
         block = greedy(drafter, sample, anchor)
@@ -179,9 +181,9 @@ def test_cache_never_reuses_another_sequence_that_shares_a_prefix(tiny_qwen3_tar
     """Chat prompts all start with the same template tokens: the cache must notice where they part."""
     drafter = build(tiny_qwen3_target)
     sample = samples[2]
-    anchor = int(torch.nonzero(sample["loss_mask"])[0]) + 4
-    other = dict(sample, hidden_states=sample["hidden_states"].clone())
-    other["hidden_states"][anchor - 2:] += 1.0  # same first rows, different later context
+    anchor = int(torch.nonzero(sample.loss_mask)[0]) + 4
+    other = dataclasses.replace(sample, hidden_states=sample.hidden_states.clone())
+    other.hidden_states[anchor - 2:] += 1.0  # same first rows, different later context
     greedy(drafter, sample, anchor)  # fills the cache from `sample`
     cached = greedy(drafter, other, anchor)
     drafter.reset_cache()
@@ -194,7 +196,7 @@ def test_fill_in_feeds_gamma_plus_one_slots(tiny_qwen3_target, samples):
     drafter = build(tiny_qwen3_target, block_convention="fill_in", markov_head_type="none",
                     enable_confidence_head=False)
     sample = samples[0]
-    anchor = int(torch.nonzero(sample["loss_mask"])[0]) + 2
+    anchor = int(torch.nonzero(sample.loss_mask)[0]) + 2
     batch = _pack_one(sample, [anchor], drafter.config)
     assert batch.block_input_ids.shape == (1, drafter.block_size + 1)
     assert batch.block_position_ids[0].tolist() == list(range(anchor, anchor + drafter.block_size + 1))
@@ -208,7 +210,7 @@ def test_flex_attention_matches_sdpa(tiny_qwen3_target, samples):  # pragma: no 
 
     drafter = build(tiny_qwen3_target).cuda()
     sample = samples[0]
-    first = int(torch.nonzero(sample["loss_mask"])[0])
+    first = int(torch.nonzero(sample.loss_mask)[0])
     batch = _pack_one(sample, [first + 1, first + 5, first + 9], drafter.config).to("cuda")
     args = (batch.block_input_ids, batch.block_position_ids, batch.context_hidden, batch.context_position_ids)
     with torch.no_grad():

@@ -46,7 +46,7 @@ def expected_keys(num_layers: int, markov: bool = True, confidence: bool = True,
 
 
 def logits_of(drafter, sample, anchor):
-    block = drafter.draft_block(sample["hidden_states"][:anchor], int(sample["input_ids"][anchor]), anchor,
+    block = drafter.draft_block(sample.hidden_states[:anchor], int(sample.input_ids[anchor]), anchor,
                                 temperature=1.0, generator=torch.Generator().manual_seed(3))
     drafter.reset_cache()
     return block
@@ -157,7 +157,7 @@ def test_old_gated_checkpoints_convert_exactly_and_old_rnn_ones_are_refused(tiny
 
 def test_reload_reproduces_logits(tiny_qwen3_target, tmp_path, sample):
     drafter = build(tiny_qwen3_target, markov_head_type="rnn")
-    anchor = int(torch.nonzero(sample["loss_mask"])[0]) + 3
+    anchor = int(torch.nonzero(sample.loss_mask)[0]) + 3
     before = logits_of(drafter, sample, anchor)
     export_drafter(drafter, str(tmp_path / "fp32"), dtype="float32")
     after = logits_of(load_drafter(str(tmp_path / "fp32")), sample, anchor)

@@ -11,6 +11,7 @@ from fixtures.drafter import drafter_config, make_samples
 from dspark_cli.model.attention import dense_mask
 from dspark_cli.model.drafter import DSparkDrafter
 from dspark_cli.model.frozen import attach_frozen
+from dspark_cli.sample import Sample
 from dspark_cli.train.anchors import anchor_generator, candidate_anchors, sample_anchors
 from dspark_cli.train.blocks import block_targets, pack
 from dspark_cli.train.data import StepPlan
@@ -61,7 +62,7 @@ def setup(tiny_qwen3_target):
     drafter = DSparkDrafter(drafter_config(tiny_qwen3_target))
     attach_frozen(drafter, str(tiny_qwen3_target))
     torch.nn.init.normal_(drafter.markov_head.markov_w2.weight, std=0.3)
-    anchors = [sample_anchors(s["loss_mask"], 6, anchor_generator(0, 0, i)) for i, s in enumerate(samples)]
+    anchors = [sample_anchors(s.loss_mask, 6, anchor_generator(0, 0, i)) for i, s in enumerate(samples)]
     return drafter, pack(samples, anchors, drafter.config)
 
 
@@ -209,12 +210,12 @@ def test_fill_in_trains_on_the_slots_after_the_anchor(tiny_qwen3_target, setup):
                                            markov_head_type="none", enable_confidence_head=False))
     attach_frozen(drafter, str(tiny_qwen3_target))
     samples = make_samples(tiny_qwen3_target, n=1)
-    anchors = [sample_anchors(samples[0]["loss_mask"], 5, anchor_generator(0, 0, 0))]
+    anchors = [sample_anchors(samples[0].loss_mask, 5, anchor_generator(0, 0, 0))]
     batch = pack(samples, anchors, drafter.config)
     gamma = drafter.block_size
     assert batch.block_input_ids.shape[1] == gamma + 1
     assert (batch.block_input_ids[:, 1:] == drafter.config.mask_token_id).all()
-    assert torch.equal(batch.labels, block_targets(samples[0]["input_ids"], samples[0]["loss_mask"],
+    assert torch.equal(batch.labels, block_targets(samples[0].input_ids, samples[0].loss_mask,
                                                    anchors[0], gamma)[0])
     loss, stats = DrafterLoss(drafter, LossWeights(1.0, 0.0, 0.0))(batch, dense_mask(batch.layout))
     # Reference: slots 1..γ of the full block output, CE against anchor + k.
@@ -226,3 +227,24 @@ def test_fill_in_trains_on_the_slots_after_the_anchor(tiny_qwen3_target, setup):
                                            reduction="none").view(-1, gamma)
     w = torch.exp(-torch.arange(gamma) / 4.0) * batch.valid
     assert torch.allclose(loss, (w * ce).sum() / w.sum(), atol=1e-5)
+
+
+def test_compact_final_hidden_packs_what_a_dense_layout_would(tiny_qwen3_target, setup):
+    """The samples carry final_hidden only at the loss-mask positions; the packed targets (and so
+    the loss) are bit for bit what gathering from a zero-filled [T, d] copy gives, zeros included."""
+    drafter, _ = setup
+    s = make_samples(tiny_qwen3_target, n=1)[0]
+    first = int(s.final_positions[0])
+    holed = s.loss_mask.clone()
+    holed[first + 5:first + 8] = False  # a second prompt turn inside the sequence
+    s = Sample(s.sample_id, s.input_ids, holed, s.hidden_states, s.final_hidden[holed[s.loss_mask]])
+    assert s.final_hidden.shape == (int(holed.sum()), 32)
+    dense = torch.zeros(len(s.input_ids), 32, dtype=torch.bfloat16)
+    dense[s.final_positions] = s.final_hidden
+    anchors = sample_anchors(holed, 12, anchor_generator(0, 0, 0))
+    state_pos = block_targets(s.input_ids, holed, anchors, drafter.block_size)[3]
+    batch = pack([s], [anchors], drafter.config)
+    assert torch.equal(batch.target_hidden, dense[state_pos])
+    off = ~holed[state_pos]
+    assert off.any() and (~off).any()  # both kinds of slot occur
+    assert (batch.target_hidden[off] == 0).all()

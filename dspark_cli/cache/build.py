@@ -27,11 +27,12 @@ from .. import manifest, storage
 from ..config import PipelineConfig
 from ..console import console
 from ..errors import DsparkError, StageFailed
+from ..sample import Sample
 from ..schemas import validate
 from ..target.files import load_config, num_layers
 from ..target.layers import resolve_layers
 from ..target.model import Target
-from ..target.samples import Sample, forward_samples, read_response_rows, render_rows
+from ..target.samples import forward_samples, read_response_rows, render_rows
 from . import fp8, store
 
 LAYOUT_NAME = "_layout.json"
@@ -93,19 +94,21 @@ def assemble(job: ShardJob, storage_dtype: str, layers: list[int], d: int) -> st
     """Concatenate a shard's samples token-major in input order."""
     m, samples = len(layers), job.samples
     lengths = [len(s.input_ids) for s in samples]
-    loss = [int(sum(s.loss_mask)) for s in samples]
+    loss = [s.num_loss_tokens for s in samples]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     final_offsets = np.concatenate([[0], np.cumsum(loss)]).astype(np.int64)
     if samples:
-        hidden = torch.cat([s.hidden for s in samples])  # [N, m*d]
-        final = torch.cat([s.final for s in samples])  # [K, d]
+        hidden = torch.cat([s.hidden_states for s in samples])  # [N, m*d]
+        final = torch.cat([s.final_hidden for s in samples])  # [K, d]
+        input_ids = torch.cat([s.input_ids for s in samples]).numpy().astype(np.int32)
+        loss_mask = torch.cat([s.loss_mask for s in samples]).numpy().astype(np.uint8)
     else:
         hidden = torch.zeros(0, m * d, dtype=torch.bfloat16)
         final = torch.zeros(0, d, dtype=torch.bfloat16)
+        input_ids, loss_mask = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.uint8)
     data = store.ShardData(
         sample_ids=[s.sample_id for s in samples], splits=[s.split for s in samples],
-        input_ids=np.array([t for s in samples for t in s.input_ids], dtype=np.int32),
-        loss_mask=np.array([t for s in samples for t in s.loss_mask], dtype=np.uint8),
+        input_ids=input_ids, loss_mask=loss_mask,
         hidden=_bits(hidden), final_hidden=_bits(final), offsets=offsets, final_offsets=final_offsets)
     if storage_dtype == "fp8":
         hb, hs = fp8.quantize(hidden, m)

@@ -1,7 +1,7 @@
 """Training reader: a PyTorch dataset over a finished cache on any fsspec URL.
 
     ds = CacheDataset("s3://bucket/cache", expect_layers=[1, 9, 17, 25, 33], split="train")
-    sample = ds[0]   # sample_id, input_ids [T], loss_mask [T], hidden_states [T, m*d], final_hidden [T, d]
+    sample = ds[0]   # a Sample: input_ids [T], loss_mask [T], hidden_states [T, m*d], final_hidden [K, d]
 
 Opened shards stay in a small LRU (their Zarr handles and offsets); each sample is a ranged read of
 its own rows. A background thread prefetches the next samples of the iteration order, which
@@ -23,6 +23,7 @@ import torch
 
 from .. import manifest
 from ..errors import DsparkError
+from ..sample import Sample
 from . import fp8, store
 
 
@@ -141,7 +142,7 @@ class CacheDataset(torch.utils.data.Dataset):
                 self._lru.popitem(last=False)
         return opened
 
-    def _load(self, i: int) -> dict[str, Any]:
+    def _load(self, i: int) -> Sample:
         k, j = self.index[i]
         shard = self._shard(k)
         a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
@@ -158,10 +159,7 @@ class CacheDataset(torch.utils.data.Dataset):
             hb, fb_ = _read_all([arrays["hidden"], arrays["final_hidden"]], [(a, b), (fa, fb)])
             hidden = _bf16(hb)  # [T, m*d]
             final_rows = _bf16(fb_)  # [K, d]
-        final = torch.zeros(b - a, self.hidden_size, dtype=torch.bfloat16)
-        final[loss_mask] = final_rows  # [T, d], zeros off the loss mask
-        return {"sample_id": shard.sample_ids[j], "input_ids": input_ids, "loss_mask": loss_mask,
-                "hidden_states": hidden, "final_hidden": final}
+        return Sample(shard.sample_ids[j], input_ids, loss_mask, hidden, final_rows, split=self._splits[i])
 
     def set_order(self, order: list[int]) -> None:
         """Tell the prefetcher the iteration order (a sampler's indices)."""
@@ -182,7 +180,7 @@ class CacheDataset(torch.utils.data.Dataset):
                 if n not in self._pending:
                     self._pending[n] = self._pool.submit(self._load, n)
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
+    def __getitem__(self, i: int) -> Sample:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range (cache has {len(self)})")
         with self._lock:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ..sample import Sample
+
 
 @functools.lru_cache(maxsize=64)
 def _cache_kwarg_of(forward: Any) -> str:
@@ -98,7 +100,7 @@ def capture_step(model: Any, new_ids: torch.Tensor | list[int], layers: list[int
 
 
 def answer_sample(model: Any, sample_id: str, prompt_ids: list[int], answer_ids: list[int],
-                  eos_id: int, layers: list[int]) -> dict[str, Any]:
+                  eos_id: int, layers: list[int]) -> Sample:
     """prompt + answer + eos → one training sample in the cache reader's format, without a cache.
 
     Supervised (loss_mask) on the answer and its eos only, features stored as bf16 as `cache build`
@@ -107,6 +109,5 @@ def answer_sample(model: Any, sample_id: str, prompt_ids: list[int], answer_ids:
     ids = prompt_ids + answer_ids + [eos_id]
     hidden, final = capture_layers(model, ids, layers)
     mask = torch.tensor([0] * len(prompt_ids) + [1] * (len(answer_ids) + 1), dtype=torch.bool)
-    return {"sample_id": sample_id, "input_ids": torch.tensor(ids), "loss_mask": mask,
-            "hidden_states": hidden.to(torch.bfloat16),
-            "final_hidden": (final * mask[:, None]).to(torch.bfloat16)}
+    return Sample(sample_id, torch.tensor(ids), mask, hidden.to(torch.bfloat16),
+                  final[mask].to(torch.bfloat16))  # [K, d]: the answer's positions only

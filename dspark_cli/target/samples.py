@@ -1,7 +1,7 @@
 """Responses → training samples: what `cache build` stores and `train --online` feeds, one home.
 
     samples, skipped, skipped_ids = render_rows(tokenizer, rows, max_length=4096, min_loss_tokens=16)
-    forward_samples(model, samples, layers, batch_tokens=16384)   # fills hidden / final (bf16)
+    forward_samples(model, samples, layers, batch_tokens=16384)   # fills hidden_states / final_hidden
 
 Rendering (chat template, loss mask, truncation) and the skip rules decide which rows become
 samples and what their tokens are; the forward fills their features and rounds them to bf16, the
@@ -12,12 +12,12 @@ anchors and the same features as one trained from a cache of the same responses.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..errors import DsparkError
+from ..sample import Sample
 from .capture import capture_batch
 from .render import render_conversation
 
@@ -25,16 +25,6 @@ from .render import render_conversation
 INPUT_COLUMNS = ["id", "split", "messages", "reasoning", "thinking"]
 #: Skipped-row ids kept as examples (the counts are complete).
 SKIPPED_IDS_KEPT = 20
-
-
-@dataclass
-class Sample:
-    sample_id: str
-    split: str
-    input_ids: list[int]
-    loss_mask: list[int]
-    hidden: torch.Tensor | None = None  # bf16 [T, m*d]
-    final: torch.Tensor | None = None  # bf16 [K, d], loss positions only
 
 
 def read_response_rows(url: str) -> Iterator[dict[str, Any]]:
@@ -57,7 +47,8 @@ def skip_reason(tokenizer: Any, row: dict[str, Any], max_length: int, min_loss_t
         return None, "template_mismatch"
     if sum(mask) < min_loss_tokens:
         return None, "too_few_loss_tokens"
-    return Sample(str(row["id"]), str(row.get("split") or "train"), ids, mask), None
+    return Sample(str(row["id"]), torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool),
+                  split=str(row.get("split") or "train")), None
 
 
 def render_rows(tokenizer: Any, rows: list[dict[str, Any]], max_length: int, min_loss_tokens: int
@@ -91,13 +82,12 @@ def forward_samples(model: Any, samples: list[Sample], layers: list[int], batch_
         per_batch = max(1, batch_tokens // length)
         for i in range(0, len(group), per_batch):
             batch = group[i:i + per_batch]
-            ids = torch.tensor([s.input_ids for s in batch], dtype=torch.long)  # [B, T]
+            ids = torch.stack([s.input_ids for s in batch])  # [B, T]
             cap = capture_batch(model, ids, layers)
             hidden = cap.hidden.to(torch.bfloat16).cpu()  # [B, T, m*d]
             final = cap.final.to(torch.bfloat16).cpu()  # [B, T, d]
             for b, s in enumerate(batch):
-                mask = torch.tensor(s.loss_mask, dtype=torch.bool)
-                s.hidden = hidden[b].clone()
-                s.final = final[b][mask].clone()  # [K, d]
+                s.hidden_states = hidden[b].clone()
+                s.final_hidden = final[b][s.loss_mask].clone()  # [K, d]
             tokens += ids.numel()
     return tokens

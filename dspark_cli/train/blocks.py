@@ -21,6 +21,7 @@ import torch
 
 from ..model.attention import BlockLayout
 from ..model.config import DrafterConfig
+from ..sample import Sample
 
 
 @dataclass
@@ -62,8 +63,8 @@ def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: tor
     return input_ids[clamped], input_ids[state_pos], valid, state_pos
 
 
-def pack(samples: list[dict], anchors: list[torch.Tensor], config: DrafterConfig) -> PackedBatch:
-    """Pack samples (contract-3 dicts) and their anchors into one batch of blocks."""
+def pack(samples: list[Sample], anchors: list[torch.Tensor], config: DrafterConfig) -> PackedBatch:
+    """Pack samples and their anchors into one batch of blocks."""
     gamma, n_in = config.block_size, config.block_inputs
     ctx_h, ctx_pos, key_sample, key_pos = [], [], [], []
     ids, pos, labels, prevs, valids, targets = [], [], [], [], [], []
@@ -71,9 +72,9 @@ def pack(samples: list[dict], anchors: list[torch.Tensor], config: DrafterConfig
     for s, (sample, anc) in enumerate(zip(samples, anchors, strict=True)):
         if anc.numel() == 0:
             continue
-        input_ids, loss_mask = sample["input_ids"].long(), sample["loss_mask"]
+        input_ids, loss_mask = sample.input_ids.long(), sample.loss_mask
         C = int(anc.max())  # positions < the last anchor are all any block can see
-        ctx_h.append(sample["hidden_states"][:C])
+        ctx_h.append(sample.hidden_states[:C])
         ctx_pos.append(torch.arange(C))
         key_sample.append(torch.full((C,), s))
         key_pos.append(torch.arange(C))
@@ -85,7 +86,7 @@ def pack(samples: list[dict], anchors: list[torch.Tensor], config: DrafterConfig
         labels.append(lab)
         prevs.append(prev)
         valids.append(val)
-        targets.append(sample["final_hidden"][state_pos])  # [A, γ, d]
+        targets.append(sample.final_at(state_pos))  # [A, γ, d], zeros off the loss mask
         q_sample.append(torch.full((anc.numel(),), s))
         q_anchor.append(anc)
     if not ids:

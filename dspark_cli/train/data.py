@@ -16,6 +16,7 @@ import torch
 
 from ..errors import DsparkError
 from ..model.config import DrafterConfig
+from ..sample import Sample
 from .anchors import anchor_generator, sample_anchors
 from .blocks import PackedBatch, pack
 
@@ -71,7 +72,7 @@ class StepPlan:
         return epoch, [mine[i:i + self.micro_batch] for i in range(0, share, self.micro_batch)]
 
 
-def load_batch(dataset: Sequence[dict], indices: list[int], epoch: int, num_anchors: int, seed: int,
+def load_batch(dataset: Sequence[Sample], indices: list[int], epoch: int, num_anchors: int, seed: int,
                config: DrafterConfig) -> PackedBatch:
     """Read samples, draw their anchors (seeded per sample and epoch), pack.
 
@@ -79,7 +80,7 @@ def load_batch(dataset: Sequence[dict], indices: list[int], epoch: int, num_anch
     gradient), so every DDP rank runs the same number of backward passes.
     """
     samples = [dataset[i] for i in indices]
-    anchors = [sample_anchors(s["loss_mask"], num_anchors, anchor_generator(seed, epoch, i))
+    anchors = [sample_anchors(s.loss_mask, num_anchors, anchor_generator(seed, epoch, i))
                for s, i in zip(samples, indices, strict=True)]
     if all(a.numel() == 0 for a in anchors):
         anchors[0] = torch.zeros(1, dtype=torch.long)

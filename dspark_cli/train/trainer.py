@@ -33,6 +33,7 @@ from ..model.config import DrafterConfig
 from ..model.drafter import DSparkDrafter
 from ..model.export import export_drafter
 from ..model.frozen import attach_frozen
+from ..sample import Sample
 from ..target.dtypes import resolve_device
 from ..target.files import load_config, num_layers
 from ..target.identity import config_hash
@@ -119,15 +120,15 @@ def drafter_config_for(cfg: PipelineConfig, meta: dict[str, Any]) -> DrafterConf
 
 
 def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = False,
-          dataset: Sequence[dict] | None = None, validation: Sequence[dict] | None = None,
+          dataset: Sequence[Sample] | None = None, validation: Sequence[Sample] | None = None,
           on_step_end: Callable[[int, dict[str, Any]], None] | None = None,
-          open_split: Callable[[str], Sequence[dict]] | None = None) -> dict[str, Any] | None:
+          open_split: Callable[[str], Sequence[Sample]] | None = None) -> dict[str, Any] | None:
     """Train (or resume) a drafter from a cache; returns the stage manifest (None off rank 0).
 
     `open_split(split)` opens a split of the cache at `cache_url` (the command passes the cache
     reader; train imports no other stage). `dataset` / `validation` replace those splits (any
-    sequences of contract-3 sample dicts); `on_step_end(step, record)` is called after every
-    optimizer step (monitoring, tests).
+    sequences of `Sample`s); `on_step_end(step, record)` is called after every optimizer step
+    (monitoring, tests).
     """
     tc = cfg.train
     device_type = resolve_device(tc.device, 0).type

@@ -10,12 +10,13 @@ import torch
 
 from ..model.attention import dense_mask, flex_block_mask
 from ..model.config import DrafterConfig
+from ..sample import Sample
 from .data import load_batch
 from .loss import DrafterLoss, summarize
 
 
 @torch.no_grad()
-def evaluate(loss_module: DrafterLoss, dataset: Sequence[dict], config: DrafterConfig, *,
+def evaluate(loss_module: DrafterLoss, dataset: Sequence[Sample], config: DrafterConfig, *,
              num_anchors: int, seed: int, micro_batch: int, limit: int, device: torch.device,
              flex: bool) -> dict[str, Any] | None:
     """Mean loss terms and acceptance over up to `limit` samples (anchors seeded as in training)."""
