@@ -15,6 +15,7 @@ from fixtures.cache_responses import response_rows, write_responses
 from typer.testing import CliRunner
 
 from dspark_cli import manifest, storage
+from dspark_cli.cache import store
 from dspark_cli.cache.build import build_cache, finalize_cache
 from dspark_cli.cache.reader import CacheDataset, ShardLocalSampler
 from dspark_cli.cache.verify import summary, verify_cache
@@ -252,3 +253,57 @@ def test_partial_shard_on_an_object_store_is_rebuilt(local_cache, tiny_qwen3_tar
     ref = manifest.read_manifest(local_cache)["extra"]["shards"]
     assert [s["checksums"] for s in manifest.read_manifest(out)["extra"]["shards"]] == \
         [s["checksums"] for s in ref]
+
+
+def test_each_worker_decodes_only_the_rows_of_its_shards(local_cache, tiny_qwen3_target, memory_url,
+                                                         monkeypatch):
+    """Peak memory follows a worker's own rows: the Parquet footers place every row, and only the
+    row groups holding the worker's shards are decoded (files of 2 rows, shards of 3: they straddle)."""
+    import pyarrow.parquet as pq
+
+    rows = response_rows(7, short_every=4)
+    responses = write_responses(storage.join(memory_url, "resp2"), rows, per_file=2)
+    decoded: list[int] = []
+    read_row_groups = pq.ParquetFile.read_row_groups
+
+    def counting(self, *args, **kwargs):
+        table = read_row_groups(self, *args, **kwargs)
+        decoded.append(table.num_rows)
+        return table
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_groups", counting)
+    monkeypatch.setattr(pq.ParquetFile, "read", None)  # nothing may fall back to reading a whole file
+    out, cfg = storage.join(memory_url, "rows"), config(tiny_qwen3_target)
+    build_cache(cfg, responses, out, num_workers=2, worker_index=1, quiet=True)  # owns shard 1: rows 3..5
+    assert sum(decoded) == 4  # files 1 and 2 (rows 2..5), not the 7 rows of the artifact
+    decoded.clear()
+    build_cache(cfg, responses, out, num_workers=2, worker_index=0, quiet=True)  # shards 0, 2: rows 0..2, 6
+    assert sum(decoded) == 4 + 1  # files 0, 1 and 3
+    ref = manifest.read_manifest(local_cache)["extra"]["shards"]
+    assert [s["checksums"] for s in manifest.read_manifest(out)["extra"]["shards"]] == \
+        [s["checksums"] for s in ref]  # the same cache as one worker reading one 7-row file
+
+
+def test_a_cache_without_chunk_checksums_reads_unverified_and_says_so_once(local_cache, tiny_qwen3_target,
+                                                                           responses, memory_url, monkeypatch,
+                                                                           capsys):
+    """Caches built before per-chunk checksums (store.CHUNK_CHECKSUM off writes that layout) still
+    read, bit for bit the same samples, with one warning; a chunk that does not decode (the old
+    Zstd traceback) is still one line naming shard and array."""
+    monkeypatch.setattr(store, "CHUNK_CHECKSUM", False)
+    out = storage.join(memory_url, "old-layout")
+    build_cache(config(tiny_qwen3_target), responses, out, quiet=True)
+    verify_cache(out)
+    old, new = CacheDataset(out), CacheDataset(local_cache)
+    capsys.readouterr()
+    for i in range(len(new)):
+        a, b = old[i], new[i]
+        assert torch.equal(a.hidden_states, b.hidden_states) and torch.equal(a.final_hidden, b.final_hidden)
+    said = " ".join(capsys.readouterr().err.split())  # the console wraps long lines
+    assert said.count("without per-chunk checksums") == 1 and out in said
+    chunk = storage.join(out, "shards", "shard-00000", "input_ids", "c", "0")
+    data = bytearray(storage.read_bytes(chunk))
+    data[0] ^= 0xFF  # the first inner chunk's zstd magic number
+    storage.write_bytes(chunk, bytes(data))
+    with pytest.raises(DsparkError, match=r"shard-00000: array 'input_ids' is corrupt \(a chunk does not"):
+        CacheDataset(out)[0]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from fixtures.cache_responses import response_rows, write_responses
+from fixtures.cli import assert_user_error, run_dspark
 from fixtures.tiny_models import mask_token_id
 
 from dspark_cli.cache.build import build_cache
@@ -79,3 +82,32 @@ def test_explicit_layers_other_than_the_cache_are_refused(cache, tiny_qwen3_targ
     assert code == 2 and "Traceback" not in err
     assert "error: target.layers is [1, 9, 17], but the cache was built with layers [1, 9, 17, 25, 33]" in err
     assert not (tmp_path / "t").exists()  # refused before the output is claimed
+
+
+def _flip_first_chunk(cache_dir: Path, shard: str, array: str) -> tuple[Path, bytes]:
+    """Flip one byte inside the first inner chunk of `array` (the shard index sits at the end)."""
+    obj = next(p for p in (cache_dir / "shards" / shard / array / "c").rglob("*") if p.is_file())
+    original = obj.read_bytes()
+    data = bytearray(original)
+    data[8] ^= 0x40
+    obj.write_bytes(bytes(data))
+    return obj, original
+
+
+@pytest.mark.parametrize("array", ["input_ids", "hidden"])
+def test_a_corrupt_chunk_stops_train_with_one_line_naming_shard_and_array(cache, tiny_qwen3_target, tmp_path,
+                                                                          array):
+    """Before: a bad input_ids chunk died in a Zstd traceback and a bad hidden chunk trained on
+    garbage. Every chunk read is checked; the installed `dspark` says which shard and array."""
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy)
+    obj, original = _flip_first_chunk(copy, "shard-00000", array)
+    args = ["train", "--cache", str(copy), "--output", str(tmp_path / "train"), "--max-steps", "4",
+            "--set", f"target.mask_token_id={mask_token_id(tiny_qwen3_target)}",
+            *[a for s in SETS for a in ("--set", s)]]
+    failed = run_dspark(*args)
+    line = assert_user_error(failed, "shard-00000", f"array '{array}'", "checksum")
+    assert "hint: run `dspark cache verify" in failed.stderr
+    obj.write_bytes(original)  # repaired: the same command now trains, no --force needed
+    done = run_dspark(*args)
+    assert done.returncode == 0, (line, done.stderr)

@@ -4,7 +4,8 @@
     build_cache(cfg, resp, "s3://b/cache", num_workers=8, worker_index=3)   # one of eight
 
 Input rows are cut into shards of `cache.samples_per_shard` in input order, so every worker agrees
-on the shard set without talking; worker i builds shards k with k % N == i. A committed shard is
+on the shard set without talking; worker i builds shards k with k % N == i, and reads only their
+rows (the Parquet footers say where each row lives). A committed shard is
 skipped on rerun; anything else is rebuilt from scratch, so a kill at any point loses at most the
 shards in flight and a rerun produces identical bytes. The target forward runs in the main thread;
 a bounded background writer encodes and uploads finished shards meanwhile. Whoever finds every
@@ -26,13 +27,14 @@ import torch
 from .. import manifest, storage
 from ..config import PipelineConfig
 from ..console import console
+from ..data import io
 from ..errors import DsparkError, StageFailed
 from ..sample import Sample
 from ..schemas import validate
 from ..target.files import load_config, num_layers
 from ..target.layers import resolve_layers
 from ..target.model import Target
-from ..target.samples import forward_samples, read_response_rows, render_rows
+from ..target.samples import INPUT_COLUMNS, forward_samples, render_rows
 from . import fp8, store
 
 LAYOUT_NAME = "_layout.json"
@@ -209,12 +211,12 @@ def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force:
     if not storage.exists(storage.join(responses_url, manifest.MANIFEST_NAME)):
         say(f"[yellow]warning:[/] {responses_url} has no manifest.json: is `dspark data regen` still "
             "running? The cache covers only the rows present now.")
-    rows = list(read_response_rows(responses_url))
-    if not rows:
+    rows = io.row_index(responses_url)  # footers only: each shard's rows are read when it is built
+    if not rows.num_rows:
         raise DsparkError(f"{responses_url}: no responses to cache (0 rows).",
                           hint="run `dspark data regen` until it answers some prompts, or pass --input.")
     per = cfg.cache.samples_per_shard
-    num_shards = -(-len(rows) // per)
+    num_shards = -(-rows.num_rows // per)
     mine = [k for k in range(num_shards) if k % world == rank]
     todo = [k for k in mine if run.replaces or not storage.is_committed(store.shard_url(output_url, k))]
     # The target is loaded (the stage's probe) before the output is claimed: a wrong --target or
@@ -222,9 +224,9 @@ def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force:
     loaded = Target.from_settings(cfg.target) if todo else None
     run.claim()
     storage.write_json(storage.join(output_url, LAYOUT_NAME),
-                       {"num_shards": num_shards, "num_rows": len(rows), "samples_per_shard": per})
+                       {"num_shards": num_shards, "num_rows": rows.num_rows, "samples_per_shard": per})
     _clean_own_temporaries(output_url, todo)
-    say(f"cache: {len(rows)} samples in {num_shards} shards; worker {rank}/{world} owns {len(mine)}, "
+    say(f"cache: {rows.num_rows} samples in {num_shards} shards; worker {rank}/{world} owns {len(mine)}, "
         f"{len(mine) - len(todo)} already committed.")
     stats = Stats()
     if loaded is not None:
@@ -235,7 +237,8 @@ def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force:
             for n, k in enumerate(todo, 1):
                 t0 = time.perf_counter()
                 samples, skipped, skipped_ids = render_rows(
-                    tokenizer, rows[k * per:(k + 1) * per], cfg.cache.max_length, cfg.cache.min_loss_tokens)
+                    tokenizer, rows.read(k * per, (k + 1) * per, INPUT_COLUMNS), cfg.cache.max_length,
+                    cfg.cache.min_loss_tokens)
                 t1 = time.perf_counter()
                 stats.tokens += forward_samples(model, samples, layers, cfg.cache.batch_tokens)
                 t2 = time.perf_counter()

@@ -21,7 +21,7 @@ EXPECTED_RATIO = {("bf16", "blosc"): 1 / 1.30, ("bf16", "zstd"): 1 / 1.24, ("bf1
 
 
 def estimate_cache(cfg: PipelineConfig, responses_url: str, sample: int = 2000) -> dict[str, Any]:
-    from ..data.io import read_rows
+    from ..data.io import row_index
     from ..target.model import load_tokenizer
 
     t = cfg.target
@@ -29,12 +29,9 @@ def estimate_cache(cfg: PipelineConfig, responses_url: str, sample: int = 2000) 
     layers = resolve_layers(t.layers, num_layers(config))
     m, d = len(layers), hidden_size(config)
     tokenizer = load_tokenizer(t.model, t.revision, t.trust_remote_code)
-    total_rows = 0
-    rows: list[dict[str, Any]] = []
-    for row in read_rows(responses_url, columns=INPUT_COLUMNS):
-        total_rows += 1
-        if len(rows) < sample:
-            rows.append(row)
+    index = row_index(responses_url)
+    total_rows = index.num_rows
+    rows = index.read(0, sample, INPUT_COLUMNS)
     samples, skipped, _ = render_rows(tokenizer, rows, cfg.cache.max_length, cfg.cache.min_loss_tokens)
     scale = total_rows / max(1, len(rows))
     tokens = int(sum(len(s.input_ids) for s in samples) * scale)

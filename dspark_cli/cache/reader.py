@@ -7,6 +7,10 @@ Opened shards stay in a small LRU (their Zarr handles and offsets); each sample 
 its own rows. A background thread prefetches the next samples of the iteration order, which
 `ShardLocalSampler` makes shard-local (shuffle shards, then samples within a shard) so reads stay
 close together on object stores.
+
+Every chunk read is checked against its crc32c as zarr decodes it (`store.CHUNK_CHECKSUM`); a
+chunk that fails, or does not decode at all, stops the read with one line naming the shard and
+the array. A cache built before per-chunk checksums reads unverified, which is said once.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 import torch
 
 from .. import manifest
+from ..console import console
 from ..errors import DsparkError
 from ..sample import Sample
 from . import fp8, store
@@ -32,17 +37,35 @@ def _bf16(bits: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
 
 
-def _read_all(arrays: list[Any], rows: list[tuple[int, int]] | None = None) -> list[np.ndarray]:
-    """Read row ranges of several arrays concurrently (one round trip's latency on object stores)."""
+class _BadChunk(Exception):
+    """A read of `array` failed: a checksum mismatch or bytes that do not decode."""
+
+    def __init__(self, array: str, cause: BaseException) -> None:
+        super().__init__(array)
+        self.array, self.cause = array, cause
+
+    def reason(self) -> str:
+        text = str(self.cause).splitlines()[0] if str(self.cause) else type(self.cause).__name__
+        if "checksum" in text.lower():
+            return "a chunk fails its checksum"
+        return f"a chunk does not decode: {text[:120]}"
+
+
+def _read_all(arrays: dict[str, Any], rows: list[tuple[int, int]] | None = None) -> list[np.ndarray]:
+    """Read row ranges of several named arrays concurrently (one round trip's latency on object
+    stores); _BadChunk naming the array when one fails to verify or decode."""
     from zarr.core.buffer import default_buffer_prototype
     from zarr.core.sync import sync
 
-    async def one(arr: Any, sel: tuple[int, int] | None) -> np.ndarray:
+    async def one(name: str, sel: tuple[int, int] | None) -> np.ndarray:
         index = slice(None) if sel is None else slice(*sel)
-        return await arr._async_array.getitem(index, prototype=default_buffer_prototype())
+        try:
+            return await arrays[name]._async_array.getitem(index, prototype=default_buffer_prototype())
+        except Exception as e:  # noqa: BLE001 - zarr/numcodecs raise many types for bad bytes
+            raise _BadChunk(name, e) from e
 
     async def gather() -> list[np.ndarray]:
-        return list(await asyncio.gather(*(one(arr, sel) for arr, sel in
+        return list(await asyncio.gather(*(one(name, sel) for name, sel in
                                            zip(arrays, rows or [None] * len(arrays), strict=True))))
 
     return [np.asarray(x) for x in sync(gather())]
@@ -52,10 +75,15 @@ class _Shard:
     """An opened shard: Zarr arrays plus its (small) offsets and per-sample ids."""
 
     def __init__(self, url: str) -> None:
-        self.arrays, attrs = store.shard_arrays(url)
+        try:
+            self.arrays, attrs = store.shard_arrays(url)
+        except Exception as e:  # noqa: BLE001 - unreadable metadata, whatever zarr raises for it
+            raise _BadChunk("zarr.json", e) from e
+        self.verified = all(store.chunk_checksummed(arr) for arr in self.arrays.values())
         # The small per-token arrays (5 bytes/token) are read whole once; states per sample.
+        names = ("offsets", "final_offsets", "input_ids", "loss_mask")
         self.offsets, self.final_offsets, self.input_ids, self.loss_mask = _read_all(
-            [self.arrays[name] for name in ("offsets", "final_offsets", "input_ids", "loss_mask")])
+            {name: self.arrays[name] for name in names})
         self.sample_ids: list[str] = list(attrs["sample_ids"])
 
 
@@ -91,6 +119,7 @@ class CacheDataset(torch.utils.data.Dataset):
         self._init_runtime()
 
     def _init_runtime(self) -> None:
+        self._unverified_said = False
         self._lru: OrderedDict[int, _Shard] = OrderedDict()
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -100,7 +129,7 @@ class CacheDataset(torch.utils.data.Dataset):
 
     def __getstate__(self) -> dict[str, Any]:  # DataLoader workers: reopen handles lazily
         state = self.__dict__.copy()
-        for key in ("_lru", "_lock", "_pool", "_pending", "_order", "_pos"):
+        for key in ("_lru", "_lock", "_pool", "_pending", "_order", "_pos", "_unverified_said"):
             state.pop(key, None)
         return state
 
@@ -136,6 +165,10 @@ class CacheDataset(torch.utils.data.Dataset):
                 self._lru.move_to_end(k)
                 return self._lru[k]
         opened = _Shard(store.shard_url(self.url, k))
+        if not opened.verified and not self._unverified_said:
+            self._unverified_said = True
+            console.print(f"[yellow]warning:[/] {self.url} was built without per-chunk checksums: its reads "
+                          "are not verified (`dspark cache verify` checks it whole).")
         with self._lock:
             self._lru[k] = opened
             while len(self._lru) > self.lru_shards:
@@ -144,6 +177,14 @@ class CacheDataset(torch.utils.data.Dataset):
 
     def _load(self, i: int) -> Sample:
         k, j = self.index[i]
+        try:
+            return self._read(k, j, i)
+        except _BadChunk as e:
+            raise DsparkError(f"{self.url}: shard {store.shard_name(k)}: array '{e.array}' is corrupt "
+                              f"({e.reason()}).", hint=f"run `dspark cache verify {self.url}`, then "
+                                                       "rebuild the shard it names.") from None
+
+    def _read(self, k: int, j: int, i: int) -> Sample:
         shard = self._shard(k)
         a, b = int(shard.offsets[j]), int(shard.offsets[j + 1])
         fa, fb = int(shard.final_offsets[j]), int(shard.final_offsets[j + 1])
@@ -151,12 +192,12 @@ class CacheDataset(torch.utils.data.Dataset):
         input_ids = torch.from_numpy(shard.input_ids[a:b].astype(np.int64))
         loss_mask = torch.from_numpy(shard.loss_mask[a:b].astype(bool))
         if self.storage_dtype == "fp8":
-            hb, hs, fb_, fs = _read_all([arrays["hidden"], arrays["hidden_scale"], arrays["final_hidden"],
-                                         arrays["final_scale"]], [(a, b), (a, b), (fa, fb), (fa, fb)])
+            names = ("hidden", "hidden_scale", "final_hidden", "final_scale")
+            hb, hs, fb_, fs = _read_all({n: arrays[n] for n in names}, [(a, b), (a, b), (fa, fb), (fa, fb)])
             hidden = fp8.dequantize(torch.from_numpy(hb), torch.from_numpy(hs))
             final_rows = fp8.dequantize(torch.from_numpy(fb_), torch.from_numpy(fs))
         else:
-            hb, fb_ = _read_all([arrays["hidden"], arrays["final_hidden"]], [(a, b), (fa, fb)])
+            hb, fb_ = _read_all({n: arrays[n] for n in ("hidden", "final_hidden")}, [(a, b), (fa, fb)])
             hidden = _bf16(hb)  # [T, m*d]
             final_rows = _bf16(fb_)  # [K, d]
         return Sample(shard.sample_ids[j], input_ids, loss_mask, hidden, final_rows, split=self._splits[i])
@@ -187,9 +228,21 @@ class CacheDataset(torch.utils.data.Dataset):
             pending = self._pending.pop(i, None)
             if len(self._pending) > 4 * max(1, self.prefetch):  # a random-access user: drop stale work
                 self._pending.clear()
-        item = pending.result() if pending is not None else self._load(i)
+        try:
+            item = pending.result() if pending is not None else self._load(i)
+        except DsparkError:
+            self.close()  # a corrupt chunk ends the run: leave no prefetch behind
+            raise
         self._schedule(i)
         return item
+
+    def close(self) -> None:
+        """Stop the prefetcher (queued reads are dropped); the dataset still reads on demand."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            self._pending.clear()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 class ShardLocalSampler(torch.utils.data.Sampler[int]):

@@ -12,7 +12,9 @@
     {url}/manifest.json                      stage manifest; `extra` per schemas/cache_manifest
 
 Each array is one object (the sharding codec) of `chunk_tokens`-row inner chunks, so one
-sample's rows come back with a ranged read without its neighbours' chunks. A shard is encoded in
+sample's rows come back with a ranged read without its neighbours' chunks. Each inner chunk ends
+in a crc32c of its encoded bytes (zarr's `crc32c` codec), checked whenever it is decoded; the
+manifest's sha256 per array is what `dspark cache verify` checks whole. A shard is encoded in
 memory, then written: locally to a temporary directory that is renamed into place after its
 marker is written; on object stores straight to its prefix with the marker written last.
 """
@@ -29,7 +31,7 @@ from typing import Any
 
 import numpy as np
 import zarr
-from zarr.codecs import BloscCodec, ZstdCodec
+from zarr.codecs import BloscCodec, Crc32cCodec, ShardingCodec, ZstdCodec
 
 from .. import storage
 from ..errors import DsparkError
@@ -38,6 +40,9 @@ SHARDS_DIR = "shards"
 SHARD_FORMAT = "dspark-cache-shard/v1"
 ARRAYS_BF16 = ("input_ids", "loss_mask", "hidden", "final_hidden", "offsets", "final_offsets")
 ARRAYS_FP8 = ARRAYS_BF16 + ("hidden_scale", "final_scale")
+#: Append a crc32c to every inner chunk, which zarr checks on each decode (so the reader verifies
+#: exactly the chunks it reads). Caches from before it lack them and read unverified.
+CHUNK_CHECKSUM = True
 
 
 def shard_name(index: int) -> str:
@@ -110,8 +115,9 @@ def encode_shard(data: ShardData, storage_dtype: str, compression: str, chunk_to
         inner = (min(chunk_tokens, rows),) + values.shape[1:]
         outer = (-(-rows // inner[0]) * inner[0],) + values.shape[1:]  # whole array in one object
         kind = compression if name in ("hidden", "final_hidden") else "zstd"
+        codecs = compressors(kind, values.dtype.itemsize) + ([Crc32cCodec()] if CHUNK_CHECKSUM else [])
         arr = group.create_array(name, shape=values.shape, dtype=values.dtype, chunks=inner, shards=outer,
-                                 compressors=compressors(kind, values.dtype.itemsize), fill_value=0)
+                                 compressors=codecs, fill_value=0)
         if logical_dtype:
             arr.attrs["logical_dtype"] = logical_dtype
         if values.size:
@@ -199,6 +205,15 @@ def shard_arrays(url: str) -> tuple[dict[str, zarr.Array], dict[str, Any]]:
     # Opened by name, not listed: listing would trip over the commit marker inside the group.
     names = ARRAYS_FP8 if attrs.get("storage_dtype") == "fp8" else ARRAYS_BF16
     return {name: group[name] for name in names}, attrs
+
+
+def chunk_checksummed(arr: zarr.Array) -> bool:
+    """Whether each inner chunk of `arr` carries a crc32c that zarr checks on decode."""
+    for codec in arr.metadata.codecs:
+        inner = codec.codecs if isinstance(codec, ShardingCodec) else (codec,)
+        if any(isinstance(c, Crc32cCodec) for c in inner):
+            return True
+    return False
 
 
 def verify_shard(url: str, expected: dict[str, Any], width: int, d: int, storage_dtype: str) -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -133,6 +134,65 @@ def iter_dir_rows(dir_url: str, columns: list[str] | None = None) -> Iterator[tu
             yield index or 0, row
 
 
+@dataclass
+class RowIndex:
+    """Where every row of a data artifact lives, from the Parquet footers alone (no row decoded),
+    so a reader that wants rows a..b (one cache-build worker's shards) decodes only the row groups
+    holding them: its memory follows what it reads, not the artifact's size."""
+
+    url: str
+    files: list[tuple[str, list[int]]]  # (shard URL, rows of each of its row groups), in row order
+
+    @property
+    def num_rows(self) -> int:
+        return sum(sum(groups) for _url, groups in self.files)
+
+    def read(self, start: int, stop: int, columns: list[str] | None = None) -> list[dict[str, Any]]:
+        """Rows start..stop-1 in artifact order (fewer at the end)."""
+        out: list[dict[str, Any]] = []
+        first = 0  # artifact row number of the current row group's first row
+        for url, groups in self.files:
+            wanted = []
+            for g, n in enumerate(groups):
+                if first < stop and first + n > start:
+                    wanted.append((g, first, n))
+                first += n
+            if not wanted:
+                continue
+            table = _open_parquet(url, lambda f, w=wanted: f.read_row_groups([g for g, _, _ in w], columns,
+                                                                         use_threads=False))
+            lo = max(start - wanted[0][1], 0)
+            out += table.slice(lo, min(stop, wanted[-1][1] + wanted[-1][2]) - wanted[0][1] - lo).to_pylist()
+        return out
+
+
+def _open_parquet(url: str, use: Any) -> Any:
+    """`use(pq.ParquetFile)` on a shard opened for ranged reads; DsparkError naming a bad file."""
+    fs, path = storage.url_to_fs(url)
+    try:
+        with fs.open(path, "rb") as f:
+            return use(pq.ParquetFile(f))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DsparkError(f"{url}: not a readable Parquet file ({e}).") from e
+
+
+def row_index(url: str) -> RowIndex:
+    """The RowIndex of a data artifact (DsparkError when it holds no shards, as `read_rows`)."""
+    shards = _data_shards(url)
+    files = [(shard, _open_parquet(shard, lambda f: [f.metadata.row_group(g).num_rows
+                                                     for g in range(f.metadata.num_row_groups)]))
+             for shard in shards]
+    return RowIndex(url, files)
+
+
+def _data_shards(url: str) -> list[str]:
+    shards = list_shards(storage.join(url, DATA_DIR))
+    if not shards:
+        raise DsparkError(f"{url}: no data shards found (expected {url}/{DATA_DIR}/part-NNNNN.parquet).",
+                          hint="run `dspark data prepare` / `dspark data regen` to write it.")
+    return shards
+
+
 def read_rows(url: str, split: str | None = None, columns: list[str] | None = None) -> Iterator[dict]:
     """Rows of a data artifact (prompts or responses), shard by shard; `split` keeps one split.
 
@@ -140,10 +200,7 @@ def read_rows(url: str, split: str | None = None, columns: list[str] | None = No
     """
     if split not in (None, "train", "validation"):
         raise DsparkError(f"split must be 'train', 'validation' or None, got {split!r}.")
-    shards = list_shards(storage.join(url, DATA_DIR))
-    if not shards:
-        raise DsparkError(f"{url}: no data shards found (expected {url}/{DATA_DIR}/part-NNNNN.parquet).",
-                          hint="run `dspark data prepare` / `dspark data regen` to write it.")
+    shards = _data_shards(url)
     wanted = None if columns is None else list(dict.fromkeys([*columns, *(["split"] if split else [])]))
     for shard in shards:
         table = read_table(shard, wanted)
