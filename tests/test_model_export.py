@@ -105,7 +105,7 @@ def test_anchor_first_without_markov_exports_a_zero_head(tiny_qwen3_target, tmp_
     assert set(tensors) == expected_keys(2, confidence=False)
     for key in ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight"):
         assert tensors[key].shape == (drafter.config.vocab_size, 1) and not tensors[key].any()
-    anchor = int(torch.nonzero(sample["loss_mask"])[0]) + 3
+    anchor = int(torch.nonzero(sample.loss_mask)[0]) + 3
     reloaded = load_drafter(str(tmp_path))
     assert reloaded.markov_head is None
     assert torch.allclose(logits_of(drafter, sample, anchor).probs, logits_of(reloaded, sample, anchor).probs,
@@ -120,7 +120,7 @@ def test_exports_of_the_first_release_still_load(tiny_qwen3_target, tmp_path, sa
     cfg = json.loads(path.read_text())
     cfg["dspark_config"] = cfg.pop("dspark_cli_config")
     path.write_text(json.dumps(cfg))
-    anchor = int(torch.nonzero(sample["loss_mask"])[0]) + 2
+    anchor = int(torch.nonzero(sample.loss_mask)[0]) + 2
     assert torch.equal(logits_of(load_drafter(str(tmp_path)), sample, anchor).tokens,
                        logits_of(drafter, sample, anchor).tokens)
 
