@@ -151,3 +151,23 @@ def test_early_exits_of_eval_and_calibrate_never_abort(tmp_path, tiny_qwen3_targ
                        "--max-new-tokens", "4", "--set", "target.dtype=float32", "--no-baseline")
     assert fixed.returncode == 0, fixed.stderr
     assert (tmp_path / "ev" / "report.json").exists()
+
+
+# ---- offline first ---------------------------------------------------------------------------------
+
+def test_a_hub_id_without_hub_fails_at_once_with_the_local_folder_hint(tmp_path, tiny_qwen3_target, prompts):
+    """No route to the hub (HF_ENDPOINT on a closed port) or HF_HUB_OFFLINE: one line, no retries."""
+    empty_cache = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0"}
+    args = ["cache", "estimate", "--responses", prompts, "--target", "Qwen/Qwen3-4B"]
+    unreachable = run_dspark(*args, env={**empty_cache, "HF_ENDPOINT": "http://127.0.0.1:9"})
+    line = assert_user_error(unreachable, "Qwen/Qwen3-4B", "hub is unreachable")
+    assert "Retrying" not in unreachable.stderr and "local folder" in unreachable.stderr, line
+    offline = run_dspark(*args, env={**empty_cache, "HF_HUB_OFFLINE": "1"})
+    assert_user_error(offline, "Qwen/Qwen3-4B", "HF_HUB_OFFLINE")
+    missing = run_dspark("cache", "estimate", "--responses", prompts, "--target", str(tmp_path / "a" / "b"))
+    assert_user_error(missing, "no such folder")  # not "Repo id must be in the form…"
+    assert_user_error(run_dspark("cache", "estimate", "--responses", str(tmp_path / "none"), *args[4:]),
+                      "none")  # the local input is checked before the hub is tried
+    fixed = run_dspark("cache", "estimate", "--responses", prompts, "--target", str(tiny_qwen3_target),
+                       "--layers", "1,2")
+    assert fixed.returncode == 0, fixed.stderr

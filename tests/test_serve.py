@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.error
 import urllib.request
 
 import openai
@@ -198,6 +199,20 @@ class TestErrors:
         with pytest.raises(openai.BadRequestError, match="messages"):
             client.chat.completions.create(model="tiny", messages=[])
 
+    @pytest.mark.parametrize(("body", "expected"), [
+        (b'{"model": "tiny", "messages": [', "request body is not valid JSON"),
+        (b"", "request body must be a JSON object"),
+        (b'{"messages": [{"role": "user", "content": "hi"}]}', "model: Field required"),
+    ])
+    def test_malformed_bodies_name_the_cause(self, server, body, expected):
+        req = urllib.request.Request(f"{server.base_url}/chat/completions", data=body, method="POST",
+                                     headers={"content-type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 400
+        message = json.loads(e.value.read())["error"]["message"]
+        assert expected in message and "None:" not in message and not message.startswith("0:")
+
     def test_server_still_healthy_after_errors(self, server):
         assert _health(server)["status"] == "ok"
 
@@ -229,16 +244,18 @@ def test_regen_endpoints_serves_the_target_when_asked(tiny_qwen3_target, tmp_pat
         assert (endpoints, model) == (["http://x:1/v1"], "m")
 
 
-def test_busy_port_is_a_one_line_error(server, tiny_qwen3_target):
-    import subprocess
-    import sys
+def test_busy_port_and_a_folder_that_is_no_model_fail_before_announcing(server, tiny_qwen3_target, tmp_path):
+    """Both are checked before "✓ serving" is printed; each is one line naming the culprit."""
+    from fixtures.cli import assert_user_error, run_dspark
 
-    done = subprocess.run([sys.executable, "-m", "dspark_cli.cli", "serve", str(tiny_qwen3_target),
-                           "--port", str(server.port), "--threads", "1"],
-                          capture_output=True, text=True, timeout=180)
-    assert done.returncode == 2
-    assert f"error: cannot listen on 127.0.0.1:{server.port}" in done.stderr
-    assert "Traceback" not in done.stderr
+    busy = run_dspark("serve", str(tiny_qwen3_target), "--port", str(server.port), "--threads", "1")
+    assert_user_error(busy, f"cannot listen on 127.0.0.1:{server.port}")
+    assert "serving" not in busy.stdout + busy.stderr and "loading" not in busy.stderr  # port checked first
+    (tmp_path / "notes.txt").write_text("not a model")
+    no_model = run_dspark("serve", str(tmp_path), "--port", "0", "--threads", "1")
+    assert_user_error(no_model, str(tmp_path), "no config.json")
+    assert "serving" not in no_model.stdout + no_model.stderr
+    # the corrected command (the real target) is what the module's `server` fixture runs
 
 
 def test_server_dies_with_a_killed_parent(tiny_qwen3_target, tmp_path):

@@ -25,13 +25,13 @@ def estimate_cache(cfg: PipelineConfig, responses_url: str, sample: int = 2000) 
     from ..target.model import load_tokenizer
 
     t = cfg.target
+    index = row_index(responses_url)  # the local input first: offline first
+    total_rows = index.num_rows
+    rows = index.read(0, sample, INPUT_COLUMNS)
     config = load_config(t.model, t.revision, t.trust_remote_code)
     layers = resolve_layers(t.layers, num_layers(config))
     m, d = len(layers), hidden_size(config)
     tokenizer = load_tokenizer(t.model, t.revision, t.trust_remote_code)
-    index = row_index(responses_url)
-    total_rows = index.num_rows
-    rows = index.read(0, sample, INPUT_COLUMNS)
     samples, skipped, _ = render_rows(tokenizer, rows, cfg.cache.max_length, cfg.cache.min_loss_tokens)
     scale = total_rows / max(1, len(rows))
     tokens = int(sum(len(s.input_ids) for s in samples) * scale)

@@ -58,9 +58,15 @@ def serve(
         raise DsparkError("--max-batch-size and --max-batch-tokens must be > 0.")
     if threads:
         torch.set_num_threads(threads)
+    # Everything is checked before "serving" is announced: the port first (cheap), then the model.
+    sock = _listening_socket(host, port)
     console.print(f"[cyan]▶[/] loading {model}")
-    engine = Engine(model, dtype=dtype, device=device, max_model_len=max_model_len,
-                    trust_remote_code=trust_remote_code)
+    try:
+        engine = Engine(model, dtype=dtype, device=device, max_model_len=max_model_len,
+                        trust_remote_code=trust_remote_code)
+    except BaseException:
+        sock.close()
+        raise
     names = list(served_model_name or [model])
     for alias in (model, os.path.basename(os.path.normpath(model))):
         if alias not in names:
@@ -71,7 +77,7 @@ def serve(
     console.print(f"[green]✓[/] serving {names[0]} ({engine.dtype}, {engine.device}, context "
                   f"{engine.context_length}) on http://{host}:{port}/v1")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    server.run(sockets=[_listening_socket(host, port)])
+    server.run(sockets=[sock])
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:

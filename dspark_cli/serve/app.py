@@ -74,6 +74,23 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+def _validation_message(errors: Any) -> APIError:
+    """FastAPI's first validation error as a sentence that names the field (or says the body is
+    not JSON / not an object), instead of `0: JSON decode error` or `None: Field required`."""
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    kind, msg = first.get("type", ""), first.get("msg", "invalid request")
+    if kind == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error") or msg
+        where = f" at character {loc[0]}" if loc else ""
+        return APIError(400, f"the request body is not valid JSON ({detail}{where}).")
+    if not loc:
+        return APIError(400, "the request body must be a JSON object with 'model' and 'messages' "
+                             f"({msg.lower()}).")
+    param = ".".join(loc)
+    return APIError(400, f"{param}: {msg}", param)
+
+
 def create_app(engine: Engine, model_names: list[str], batcher: Batcher | None = None,
                default_max_tokens: int = 512) -> FastAPI:
     """An app serving `engine` under `model_names` (the first is the one /v1/models lists)."""
@@ -88,9 +105,7 @@ def create_app(engine: Engine, model_names: list[str], batcher: Batcher | None =
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        return JSONResponse(APIError(400, f"{param}: {first.get('msg')}", param).body(), status_code=400)
+        return JSONResponse(_validation_message(e.errors()).body(), status_code=400)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

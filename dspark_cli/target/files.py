@@ -13,6 +13,8 @@ from typing import Any
 from ..errors import DsparkError
 
 NO_TARGET_HINT = "pass --target PATH_OR_HUB_ID or set target.model."
+LOAD_HINT = ("pass a local folder with config.json + *.safetensors (e.g. from `dspark model convert`), "
+             "or a hub id where the hub is reachable.")
 
 
 def require(target: str) -> str:
@@ -26,15 +28,46 @@ def is_local(target: str) -> bool:
     return os.path.isdir(target)
 
 
+def looks_like_a_path(target: str) -> bool:
+    """A spelling no hub id has (hub ids are `name` or `org/name`)."""
+    return target.startswith((".", "/", "~")) or target.count("/") > 1
+
+
+def hub_kwargs(target: str, revision: str | None = None) -> dict[str, Any]:
+    """`revision` / `local_files_only` for from_pretrained, after the checks that make a mistake
+    one line at once: a local folder must hold config.json, a missing path is not taken for a hub
+    id, and a hub id the hub cannot serve (offline, unreachable) fails now, not after retries."""
+    if is_local(require(target)):
+        if not os.path.isfile(os.path.join(target, "config.json")):
+            raise DsparkError(f"target {target!r}: the folder holds no config.json; it is not a model "
+                              "folder.", hint=LOAD_HINT)
+        return {"revision": None, "local_files_only": True}
+    if looks_like_a_path(target):
+        raise DsparkError(f"target {target!r}: no such folder.", hint=LOAD_HINT)
+    from .. import hub
+
+    cache_only = hub.access(target, "target", LOAD_HINT, revision=revision)
+    return {"revision": revision, "local_files_only": cache_only}
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """A library's (often multi-line) message as one short line."""
+    from ..redact import shorten
+
+    return shorten(str(e), limit) if str(e).strip() else type(e).__name__
+
+
 def resolve_folder(target: str, files: tuple[str, ...] = ("config.json",),
                    revision: str | None = None) -> Path:
     """A local folder as is; a hub id through the local HF cache (downloads only `files`)."""
     if is_local(require(target)):
         return Path(target)
+    hub = hub_kwargs(target, revision)
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(target, revision=revision, allow_patterns=list(files)))
+        return Path(snapshot_download(target, revision=revision, allow_patterns=list(files),
+                                      local_files_only=hub["local_files_only"]))
     except Exception as e:
         raise DsparkError(f"target {target!r}: not a local folder and not fetchable from the hub "
                           f"({str(e).splitlines()[0] if str(e) else type(e).__name__}).",
@@ -45,12 +78,11 @@ def load_config(target: str, revision: str | None = None, trust_remote_code: boo
     """The target's Transformers config (only config.json is read)."""
     from transformers import AutoConfig
 
-    local = is_local(require(target))
+    hub = hub_kwargs(target, revision)
     try:
-        return AutoConfig.from_pretrained(target, revision=None if local else revision,
-                                          trust_remote_code=trust_remote_code, local_files_only=local)
-    except (OSError, ValueError) as e:
-        raise DsparkError(f"target {target!r}: cannot read its config ({str(e).splitlines()[0]}).",
+        return AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code, **hub)
+    except (OSError, ValueError, KeyError) as e:
+        raise DsparkError(f"target {target!r}: cannot read its config ({first_line(e)}).",
                           hint="pass --target with a local folder or hub id of a causal LM.") from e
 
 

@@ -20,34 +20,24 @@ from ..errors import DsparkError
 from . import capture as _capture
 from . import chat, identity
 from .dtypes import auto_dtype, resolve_device, torch_dtype
-from .files import hidden_size, is_local, num_layers, require
+from .files import LOAD_HINT, first_line, hidden_size, hub_kwargs, num_layers
 from .layers import resolve_layers
 
 
-def _looks_like_a_path(target: str) -> bool:
-    return target.startswith((".", "/", "~")) or target.count("/") > 1
-
-
 def _hub_kwargs(path_or_id: str, revision: str | None, trust_remote_code: bool) -> dict[str, Any]:
-    require(path_or_id)
-    local = is_local(path_or_id)
-    if not local and _looks_like_a_path(path_or_id):
-        raise DsparkError(f"target {path_or_id!r}: cannot load it (no such folder).",
-                          hint="pass a local folder with config.json + *.safetensors or a hub id.")
-    return {"revision": None if local else revision, "trust_remote_code": trust_remote_code,
-            "local_files_only": local}
+    return {**hub_kwargs(path_or_id, revision), "trust_remote_code": trust_remote_code}
 
 
 def load_tokenizer(path_or_id: str, revision: str | None = None, trust_remote_code: bool = False) -> Any:
     """The target's tokenizer (and chat template) without its weights."""
     from transformers import AutoTokenizer
 
+    hub = _hub_kwargs(path_or_id, revision, trust_remote_code)
     try:
-        hub = _hub_kwargs(path_or_id, revision, trust_remote_code)
         return AutoTokenizer.from_pretrained(path_or_id, **hub)
-    except OSError as e:
-        raise DsparkError(f"target {path_or_id!r}: cannot load it ({str(e).splitlines()[0]}).",
-                          hint="pass a local folder with config.json + *.safetensors or a hub id.") from e
+    except (OSError, ValueError, KeyError) as e:  # ValueError: no tokenizer file in the folder
+        raise DsparkError(f"target {path_or_id!r}: cannot load its tokenizer ({first_line(e)}).",
+                          hint=LOAD_HINT) from e
 
 
 def load_target(path_or_id: str, dtype: str | torch.dtype = "bfloat16", device: str = "auto",
@@ -64,9 +54,8 @@ def load_target(path_or_id: str, dtype: str | torch.dtype = "bfloat16", device: 
     try:
         model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=torch_dtype(dtype),
                                                      use_safetensors=True, **hub)
-    except OSError as e:
-        raise DsparkError(f"target {path_or_id!r}: cannot load it ({str(e).splitlines()[0]}).",
-                          hint="pass a local folder with config.json + *.safetensors or a hub id.") from e
+    except (OSError, ValueError, KeyError) as e:  # ValueError/KeyError: an unknown model type
+        raise DsparkError(f"target {path_or_id!r}: cannot load it ({first_line(e)}).", hint=LOAD_HINT) from e
     model.to(dev).eval()
     model.requires_grad_(False)
     return model, tokenizer
