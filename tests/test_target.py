@@ -235,3 +235,19 @@ def test_eval_and_calibrate_take_the_drafter_layers(tiny_qwen3_target, tmp_path)
     with pytest.raises(DsparkError, match="but the drafter .* was built with layers"):
         drafter_block_size(load_config(None, ["target.layers=2,6"]), str(tmp_path / "d"))
 
+
+
+def test_an_eval_run_of_the_last_release_keeps_matching_its_target(tiny_llama_target, tmp_path):
+    """Eval/calibrate/profile outputs recorded the target as 'config:<sha of config.json>'."""
+    from dspark_cli import manifest
+    from dspark_cli.decode.stages import _target_input
+
+    target, out = str(tiny_llama_target), str(tmp_path / "profile")
+    cfg = load_config(None, [])
+    assert _target_input(cfg, target, out) == identity.fingerprint(target)  # a fresh output
+    old = identity.legacy_fingerprint(target)
+    assert old.startswith("config:")
+    manifest.prepare_stage("profile", out, {"a": 1}, {target: old}).claim()
+    assert _target_input(cfg, target, out) == old
+    assert manifest.prepare_stage("profile", out, {"a": 1}, {target: _target_input(cfg, target, out)}
+                                  ).state == "resume"
