@@ -99,11 +99,11 @@ def test_one_block_matches_our_drafter_in_fp32(target, exports, sample, kind):
     """Logits (with vLLM's Markov bias) and confidences within 1e-4 of ours, on our context K/V."""
     drafter, folder = exports[kind]
     method, gamma = method_and_gamma(folder)
-    anchor = int(torch.nonzero(sample["loss_mask"])[0]) + 3
-    ctx = sample["hidden_states"][:anchor].float()
-    prev = torch.cat([sample["input_ids"][anchor:anchor + 1], torch.randint(0, 380, (gamma - 1,),
+    anchor = int(torch.nonzero(sample.loss_mask)[0]) + 3
+    ctx = sample.hidden_states[:anchor].float()
+    prev = torch.cat([sample.input_ids[anchor:anchor + 1], torch.randint(0, 380, (gamma - 1,),
                                                                           generator=torch.Generator().manual_seed(1))])
-    ids, pos, logits, conf, ctx_kv = our_block(drafter, ctx, int(sample["input_ids"][anchor]), anchor, prev)
+    ids, pos, logits, conf, ctx_kv = our_block(drafter, ctx, int(sample.input_ids[anchor]), anchor, prev)
     with vllm_model(folder, str(target), method, gamma) as (model, _):
         hidden = vllm_block_hidden(model, ctx_kv, ids, pos)
         with torch.no_grad():
@@ -124,9 +124,9 @@ def test_one_block_matches_our_drafter_in_fp32(target, exports, sample, kind):
 def test_context_values_and_first_layer_keys_match_ours(target, exports, sample):
     """vLLM's own fused context path (fc → hidden_norm → K/V → k_norm → RoPE) on our weights."""
     drafter, folder = exports["vanilla"]
-    anchor = int(torch.nonzero(sample["loss_mask"])[0]) + 3
-    ctx = sample["hidden_states"][:anchor].float()
-    *_, ours = our_block(drafter, ctx, int(sample["input_ids"][anchor]), anchor, ZEROS)
+    anchor = int(torch.nonzero(sample.loss_mask)[0]) + 3
+    ctx = sample.hidden_states[:anchor].float()
+    *_, ours = our_block(drafter, ctx, int(sample.input_ids[anchor]), anchor, ZEROS)
     with vllm_model(folder, str(target), "dspark", 4) as (model, _):
         theirs = vllm_context_kv(model, ctx)
     assert (theirs[0][0].reshape(anchor, -1) - ours[0][0]).abs().max() < 1e-4
@@ -138,9 +138,9 @@ def test_context_values_and_first_layer_keys_match_ours(target, exports, sample)
                                        "weights normalises every layer's context keys with layer 0's weight")
 def test_context_keys_of_every_layer_match_ours(target, exports, sample):
     drafter, folder = exports["vanilla"]
-    anchor = int(torch.nonzero(sample["loss_mask"])[0]) + 3
-    ctx = sample["hidden_states"][:anchor].float()
-    *_, ours = our_block(drafter, ctx, int(sample["input_ids"][anchor]), anchor, ZEROS)
+    anchor = int(torch.nonzero(sample.loss_mask)[0]) + 3
+    ctx = sample.hidden_states[:anchor].float()
+    *_, ours = our_block(drafter, ctx, int(sample.input_ids[anchor]), anchor, ZEROS)
     with vllm_model(folder, str(target), "dspark", 4) as (model, _):
         theirs = vllm_context_kv(model, ctx)
     for i in ours:
@@ -150,8 +150,8 @@ def test_context_keys_of_every_layer_match_ours(target, exports, sample):
 def test_the_cpu_key_bug_is_layer_zeros_norm_weight(target, exports, sample):
     """The measurement behind the xfail above: with every k_norm set to layer 0's, vLLM's keys match."""
     drafter, folder = exports["vanilla"]
-    anchor = int(torch.nonzero(sample["loss_mask"])[0]) + 3
-    ctx = sample["hidden_states"][:anchor].float()
+    anchor = int(torch.nonzero(sample.loss_mask)[0]) + 3
+    ctx = sample.hidden_states[:anchor].float()
     with vllm_model(folder, str(target), "dspark", 4) as (model, _):
         theirs = vllm_context_kv(model, ctx)
     with torch.no_grad():
