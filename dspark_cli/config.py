@@ -89,13 +89,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for name in raw:
         if name not in SECTIONS or not isinstance(raw[name], dict):
             raise ConfigError(f"{path}: unknown section [{name}]; sections: {', '.join(SECTIONS)}.")
+    # Where each value came from, so an error blames the file, the flag or the --set that set it.
+    origin = {f"{name}.{key}": str(path) for name, values in raw.items() for key in values}
     for section, values in (extra or {}).items():
-        raw.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+        given = {k: v for k, v in values.items() if v is not None}
+        raw.setdefault(section, {}).update(given)
+        origin.update({f"{section}.{k}": f"--{k.replace('_', '-')}" for k in given})
     for text in overrides or []:
         section, key, value = parse_override(text)
         raw.setdefault(section, {})[key] = value
+        origin[f"{section}.{key}"] = f"--set {text}"
     try:
         sections = {name: cls.from_dict(raw.get(name, {})) for name, cls in SECTIONS.items()}
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+        raise ConfigError(_blame(str(e), origin)) from None
     return PipelineConfig(**sections, source=source)
+
+
+def _blame(message: str, origin: dict[str, str]) -> str:
+    """Prefix a section error with the source of the key it names (longest key name first)."""
+    for key in sorted(origin, key=len, reverse=True):
+        if f"{key} " in message or f"'{key}'" in message:
+            return f"{origin[key]}: {message}"
+    return message

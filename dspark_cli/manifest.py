@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from . import __version__, storage
-from .errors import StageConflictError
+from .errors import DsparkError, StageConflictError
 from .schemas import validate
 
 MANIFEST_NAME = "manifest.json"
@@ -202,3 +202,12 @@ def _refuse_foreign_folder(output_url: str, force: bool) -> None:
         raise StageConflictError(f"{output_url}: folder is not empty ({shown}) and holds no dspark "
                                  "stage run.",
                                  hint="choose a new or empty output folder.")
+
+
+def require_artifact(url: str, stage: str, flag: str, hint: str) -> None:
+    """Refuse another stage's artifact given where `stage`'s is expected (e.g. prompts as
+    --responses), in one line, before anything reads its rows. An unfinished one passes."""
+    found = read_manifest(url)
+    if found is not None and found.get("stage") != stage:
+        raise DsparkError(f"{flag} {url}: is a '{found.get('stage')}' artifact, not a '{stage}' one.",
+                          hint=hint)

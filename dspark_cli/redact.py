@@ -15,7 +15,7 @@ REDACTED = "[REDACTED]"
 _PATTERNS = [
     re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]{8,}"),
     re.compile(r"\b(sk|pk|rk|hf|ghp|gho|xox[abp])[-_][A-Za-z0-9_-]{8,}"),
-    re.compile(r"(?i)\b(api[_-]?key|access[_-]?token|authorization)(['\"]?\s*[:=]\s*['\"]?)[^\s'\",;&]{6,}"),
+    re.compile(r"(?i)\b(api[_-]?key|access[_-]?token|authorization)(['\"]?\s*[:=]\s*['\"]?)(?!bearer\b|\[REDACTED)[^\s'\",;&]{6,}"),
 ]
 _secrets: set[str] = set()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from fixtures.cli import assert_user_error, run_dspark
+from fixtures.cli import REPO, assert_user_error, run_dspark
 from fixtures.openai_server import start_openai_server
 
 from dspark_cli.config import load_config
@@ -53,6 +53,16 @@ def prompts(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("prompts")
     out = str(root / "prompts")
     prepare(load_config(None, [f"data.source={_prompts_jsonl(root / 'a.jsonl', 6)}"]), out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def responses(tmp_path_factory, server, prompts) -> str:
+    from dspark_cli.data.regen import regen
+
+    out = str(tmp_path_factory.mktemp("responses") / "responses")
+    server.reset()
+    regen(load_config(None, [f"regen.endpoints=['{server.url}']", f"regen.model={MODEL}"]), prompts, out)
     return out
 
 
@@ -155,19 +165,53 @@ def test_early_exits_of_eval_and_calibrate_never_abort(tmp_path, tiny_qwen3_targ
 
 # ---- offline first ---------------------------------------------------------------------------------
 
-def test_a_hub_id_without_hub_fails_at_once_with_the_local_folder_hint(tmp_path, tiny_qwen3_target, prompts):
+def test_a_hub_id_without_hub_fails_at_once_with_a_local_folder_hint(tmp_path, tiny_qwen3_target, responses):
     """No route to the hub (HF_ENDPOINT on a closed port) or HF_HUB_OFFLINE: one line, no retries."""
     empty_cache = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0"}
-    args = ["cache", "estimate", "--responses", prompts, "--target", "Qwen/Qwen3-4B"]
+    args = ["cache", "estimate", "--responses", responses, "--target", "Qwen/Qwen3-4B"]
     unreachable = run_dspark(*args, env={**empty_cache, "HF_ENDPOINT": "http://127.0.0.1:9"})
     line = assert_user_error(unreachable, "Qwen/Qwen3-4B", "hub is unreachable")
     assert "Retrying" not in unreachable.stderr and "local folder" in unreachable.stderr, line
     offline = run_dspark(*args, env={**empty_cache, "HF_HUB_OFFLINE": "1"})
     assert_user_error(offline, "Qwen/Qwen3-4B", "HF_HUB_OFFLINE")
-    missing = run_dspark("cache", "estimate", "--responses", prompts, "--target", str(tmp_path / "a" / "b"))
+    missing = run_dspark("cache", "estimate", "--responses", responses, "--target", str(tmp_path / "a" / "b"))
     assert_user_error(missing, "no such folder")  # not "Repo id must be in the form…"
     assert_user_error(run_dspark("cache", "estimate", "--responses", str(tmp_path / "none"), *args[4:]),
                       "none")  # the local input is checked before the hub is tried
-    fixed = run_dspark("cache", "estimate", "--responses", prompts, "--target", str(tiny_qwen3_target),
+    fixed = run_dspark("cache", "estimate", "--responses", responses, "--target", str(tiny_qwen3_target),
                        "--layers", "1,2")
     assert fixed.returncode == 0, fixed.stderr
+
+
+# ---- misleading messages -----------------------------------------------------------------------------
+
+def test_messages_name_the_true_cause(tmp_path, tiny_qwen3_target, prompts, responses):
+    """Each mistake gets its real cause in one line: the artifact kind, the --set that set a bad value,
+    an unknown export architecture, a missing drafter, a refused connection, a non-JSON /models."""
+    target = ["--target", str(tiny_qwen3_target), "--layers", "1,2"]
+    wrong_kind = run_dspark("cache", "build", "--responses", prompts, "-o", str(tmp_path / "c"), *target)
+    assert_user_error(wrong_kind, "--responses", "'data.prepare' artifact")
+    assert not (tmp_path / "c").exists()
+    assert_user_error(run_dspark("pipeline", "show", "pipelines/qwen3-4b.toml", "--set", "train.lr=abc",
+                                 cwd=REPO), "--set train.lr=abc:", "train.lr must be a number")
+    assert_user_error(run_dspark("calibrate", *target[:2], "--dataset", prompts, "-o", str(tmp_path / "k"),
+                                 "--set", f"pipeline.work_dir='{tmp_path}'"), "drafter", "does not exist")
+    refused = run_dspark("data", "regen", "-i", prompts, "-o", str(tmp_path / "r"), "--endpoint",
+                         "http://127.0.0.1:9/v1", "--model", MODEL)
+    assert_user_error(refused, "connection refused")
+    assert "timed out" not in refused.stderr
+    fixed = run_dspark("cache", "build", "--responses", responses, "-o", str(tmp_path / "c"), *target,
+                       "--set", "target.dtype=float32")
+    assert fixed.returncode == 0, fixed.stderr
+
+
+def test_server_text_is_one_clean_line():
+    from dspark_cli.data.regen import model_ids
+    from dspark_cli.redact import clean, register_secret
+
+    page = "<!DOCTYPE html><html><head><title>502 Bad Gateway</title></head><body>" + "x" * 5000 + "</body>"
+    assert clean(page) == "HTML page: 502 Bad Gateway"
+    register_secret("k3y-abcdefgh")
+    assert clean("key k3y-abcdefgh; Authorization: Bearer abc.def-ghi_jkl") == \
+        "key [REDACTED]; Authorization: Bearer [REDACTED]"
+    assert model_ids("<html>not json</html>") is None and model_ids({"data": [{"id": "m"}]}) == ["m"]

@@ -193,6 +193,9 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+RESPONSES_HINT = "pass the output of `dspark data regen` (default <work_dir>/responses) as --responses."
+
+
 def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force: bool = False,
                 num_workers: int | None = None, worker_index: int | None = None,
                 quiet: bool = False) -> dict[str, Any]:
@@ -201,6 +204,7 @@ def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force:
     if force and world > 1:
         raise DsparkError("--force with several workers would let each one delete the others' shards.",
                           hint="remove the output once (or run one worker with --force), then the rest.")
+    manifest.require_artifact(responses_url, "data.regen", "--responses", RESPONSES_HINT)  # local first
     t = cfg.target
     layers = resolve_layers(t.layers, num_layers(load_config(t.model, t.revision, t.trust_remote_code)))
     run = manifest.prepare_stage(STAGE, output_url, stage_config(cfg, layers),

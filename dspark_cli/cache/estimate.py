@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import manifest
 from ..config import PipelineConfig
 from ..target.files import hidden_size, load_config, num_layers
 from ..target.layers import resolve_layers
 from ..target.samples import INPUT_COLUMNS, render_rows
 from . import store
+from .build import RESPONSES_HINT
 
 #: Measured stored/raw ratios of the hidden-state arrays (see docs/cache.md).
 EXPECTED_RATIO = {("bf16", "blosc"): 1 / 1.30, ("bf16", "zstd"): 1 / 1.24, ("bf16", "none"): 1.0,
@@ -25,6 +27,7 @@ def estimate_cache(cfg: PipelineConfig, responses_url: str, sample: int = 2000) 
     from ..target.model import load_tokenizer
 
     t = cfg.target
+    manifest.require_artifact(responses_url, "data.regen", "--responses", RESPONSES_HINT)
     index = row_index(responses_url)  # the local input first: offline first
     total_rows = index.num_rows
     rows = index.read(0, sample, INPUT_COLUMNS)

@@ -158,9 +158,9 @@ def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_ur
                   force: bool = False) -> dict[str, Any] | None:
     """Decode held-out prompts with full verification, fit STS, write calibration.json + plot."""
     cal = cfg.calibrate
+    drafter_block_size(cfg, drafter_url)  # the drafter first: without one there is nothing to calibrate
     split = None if dataset_url.endswith((".jsonl", ".json")) else cal.split
     convs = load_conversations(dataset_url, cal.num_prompts, split)
-    drafter_block_size(cfg, drafter_url)
     inputs = {drafter_url: manifest.fingerprint(drafter_url), dataset_url: manifest.fingerprint(dataset_url),
               target: _target_input(cfg, target, output_url)}
     config = {"calibrate": cal.to_dict(), "target": {"dtype": cfg.target.dtype}}

@@ -45,6 +45,10 @@ WEIGHTS = "model.safetensors"
 def architecture_for(config: DrafterConfig, requested: str | None = None) -> str:
     """The engine architecture for this convention; refuse pairings engines would serve wrongly."""
     expected = DSPARK_ARCH if config.sample_from_anchor else DFLASH_ARCH
+    if requested is not None and requested not in (DSPARK_ARCH, DFLASH_ARCH):
+        raise DsparkError(f"--architecture {requested}: unknown; engines serve {DSPARK_ARCH} or "
+                          f"{DFLASH_ARCH}.",
+                          hint=f"omit --architecture: this drafter exports as {expected}.")
     if requested is not None and requested != expected:
         raise DsparkError(
             f"a drafter trained with block_convention={config.block_convention} cannot be exported as "
@@ -154,8 +158,11 @@ def read_config(url: str) -> DrafterConfig:
         if not isinstance(private, dict):
             raise DsparkError(f"{url}/config.json has no {PRIVATE_KEY}; it was not exported by dspark.")
         return DrafterConfig.from_dict(private)
-    raise DsparkError(f"{url}: neither a dspark checkpoint ({CHECKPOINT_CONFIG}) nor an export "
-                      "(config.json).")
+    missing = "does not exist" if not storage.exists(url) else \
+        f"is neither a dspark checkpoint ({CHECKPOINT_CONFIG}) nor an export (config.json)"
+    raise DsparkError(f"drafter {url}: {missing}.",
+                      hint="pass --drafter with a train artifact, checkpoint or export folder "
+                           "(the default, <work_dir>/train, is what `dspark train` writes).")
 
 
 def resolve_drafter_url(url: str) -> str:
