@@ -45,6 +45,8 @@ def test_stage_lifecycle_fresh_done_conflict_force(root_url):
     out = storage.join(root_url, "stage")
     run = manifest.prepare_stage("demo", out, {"a": 1}, {"in": "id:x"})
     assert run.state == "fresh"
+    assert manifest.prepare_stage("demo", out, {"a": 2}, {"in": "id:x"}).state == "fresh"  # nothing claimed
+    run.claim()
     again = manifest.prepare_stage("demo", out, {"a": 1}, {"in": "id:x"})
     assert again.state == "resume"
     again.finish({"rows": 3})
@@ -53,8 +55,12 @@ def test_stage_lifecycle_fresh_done_conflict_force(root_url):
         manifest.prepare_stage("demo", out, {"a": 2}, {"in": "id:x"})
     with pytest.raises(StageConflictError, match=r"input in"):
         manifest.prepare_stage("demo", out, {"a": 1}, {"in": "id:y"})
-    assert manifest.prepare_stage("demo", out, {"a": 2}, {"in": "id:x"}, force=True).state == "fresh"
+    forced = manifest.prepare_stage("demo", out, {"a": 2}, {"in": "id:x"}, force=True)
+    assert forced.state == "fresh" and manifest.read_manifest(out) is not None  # removed only when claimed
+    forced.claim()
     assert manifest.read_manifest(out) is None
+    forced.abandon()  # produced nothing usable: the next run starts afresh whatever its config
+    assert manifest.prepare_stage("demo", out, {"a": 3}, {"in": "id:z"}).state == "fresh"
 
 
 def test_the_same_local_input_spelled_differently_is_not_a_conflict(tmp_path, monkeypatch):
