@@ -21,6 +21,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Click's plain help, in every group: typer's rich tables give a mostly empty `--no-X` and
+    # metavar column the width, cutting descriptions to ~21 characters at 80 columns.
+    rich_markup_mode=None,
 )
 
 

@@ -7,6 +7,7 @@ names the culprit, and that the corrected command then succeeds without --force.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from fixtures.cli import REPO, assert_user_error, run_dspark
@@ -215,3 +216,38 @@ def test_server_text_is_one_clean_line():
     assert clean("key k3y-abcdefgh; Authorization: Bearer abc.def-ghi_jkl") == \
         "key [REDACTED]; Authorization: Bearer [REDACTED]"
     assert model_ids("<html>not json</html>") is None and model_ids({"data": [{"id": "m"}]}) == ["m"]
+
+
+# ---- readable at 80 columns ------------------------------------------------------------------------
+
+def test_help_and_eval_table_are_readable_at_80_columns():
+    for command in (["eval", "--help"], ["data", "regen", "--help"], ["calibrate", "--help"]):
+        proc = run_dspark(*command, env={"COLUMNS": "80", "TERMINAL_WIDTH": "80"})
+        assert proc.returncode == 0, proc.stderr
+        lines = proc.stdout.splitlines()
+        assert max(len(line) for line in lines) <= 80, command
+        options = [ln.strip("│ ") for ln in lines if ln.strip("│ ").startswith("-")]
+        assert len(options) > 10
+        for line in options:  # a description gets >= 30 characters per line (rich tables gave ~21)
+            parts = re.split(r"\s{2,}", line)
+            if len(parts) >= 2:
+                assert len(parts[-1]) >= 30 or parts[-1].endswith((".", ")")), line
+    regen = run_dspark("data", "regen", "--help", env={"COLUMNS": "80"}).stdout
+    for phrase in ("Sampling temperature (default 0.7).", "Nucleus sampling mass (default 0.8).",
+                   "Longest answer per turn", "--max-error-share"):
+        assert phrase in regen
+    assert "--device" in run_dspark("eval", "--help").stdout
+
+    from rich.console import Console
+
+    from dspark_cli.decode.report import render_table
+
+    d = {"name": "gsm8k", "tau": 3.1, "acceptance_rate": 0.61, "drafted": 123456, "verified": 234567,
+         "accepted": 99999, "tokens_per_second": {"speculative": 123.4, "target_only": 45.6, "speedup": 2.7},
+         "position_acceptance": {"conditional": [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]}}
+    console = Console(width=80, record=True)
+    console.print(render_table({"block_size": 7, "temperature": 1.0, "schedule": "fixed", "datasets": [d]}))
+    text = console.export_text()
+    for header in ("dataset", "accept", "drafted", "verified", "accepted", "spec", "target", "speedup"):
+        assert f" {header}" in text, text
+    assert "gsm8k: conditional acceptance by position 0.90 0.80" in text

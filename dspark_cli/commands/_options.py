@@ -18,3 +18,8 @@ ForceOpt = Annotated[
     bool,
     typer.Option("--force", help="Replace an existing output made with a different config or input."),
 ]
+DeviceOpt = Annotated[
+    str | None,
+    typer.Option("--device", help="Where the target and drafter run: auto, cpu, cuda or cuda:N "
+                                  "(target.device)."),
+]

@@ -23,7 +23,7 @@ from ._common import load
 from ._options import ConfigOpt, ForceOpt, SetOpt
 
 cache_app = typer.Typer(help="Target hidden-state cache: build, estimate, verify, inspect, finalize.",
-                        no_args_is_help=True)
+                        no_args_is_help=True, rich_markup_mode=None)
 
 ResponsesOpt = Annotated[str | None, typer.Option("--responses", "-i",
                          help="Responses artifact URL (default: <work_dir>/responses).")]

@@ -14,7 +14,7 @@ import typer
 
 from ..console import console, out
 from ._common import load
-from ._options import ConfigOpt, ForceOpt, SetOpt
+from ._options import ConfigOpt, DeviceOpt, ForceOpt, SetOpt
 
 
 def calibrate_cmd(
@@ -22,6 +22,7 @@ def calibrate_cmd(
     set_: SetOpt = None,
     force: ForceOpt = False,
     target: Annotated[str | None, typer.Option(help="Target model folder or hub id (target.model).")] = None,
+    device: DeviceOpt = None,
     drafter: Annotated[str | None, typer.Option(
         help="Train artifact, checkpoint dir or export folder (default: <work_dir>/train).")] = None,
     dataset: Annotated[str | None, typer.Option(
@@ -35,7 +36,7 @@ def calibrate_cmd(
     """Record confidences and acceptance on held-out prompts; fit T_1..T_γ left to right."""
     from ..decode.stages import run_calibrate
 
-    cfg = load(config, set_, target={"model": target}, calibrate={
+    cfg = load(config, set_, target={"model": target, "device": device}, calibrate={
         "dataset": dataset, "drafter": drafter, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
         "temperature": temperature})
     output = output or cfg.stage_url("calibration")

@@ -20,7 +20,7 @@ from ._common import load
 from ._options import ConfigOpt, ForceOpt, SetOpt
 
 data_app = typer.Typer(help="Prepare prompts and regenerate responses with the target.",
-                       no_args_is_help=True)
+                       no_args_is_help=True, rich_markup_mode=None)
 
 OutputOpt = Annotated[str | None, typer.Option("--output", "-o",
                                                help="Output URL (default: <work_dir>/<stage>).")]

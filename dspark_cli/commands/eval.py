@@ -15,10 +15,10 @@ import typer
 
 from ..console import console, out
 from ._common import load
-from ._options import ConfigOpt, ForceOpt, SetOpt
+from ._options import ConfigOpt, DeviceOpt, ForceOpt, SetOpt
 
 eval_app = typer.Typer(help="Speculative decoding with the real target; the losslessness audit.",
-                       invoke_without_command=True)
+                       invoke_without_command=True, rich_markup_mode=None)
 
 
 def _csv_ints(text: str | None) -> list[int] | None:
@@ -32,6 +32,7 @@ def eval_cmd(
     set_: SetOpt = None,
     force: ForceOpt = False,
     target: Annotated[str | None, typer.Option(help="Target model folder or hub id (target.model).")] = None,
+    device: DeviceOpt = None,
     drafter: Annotated[str | None, typer.Option(
         help="Train artifact, checkpoint dir or export folder (default: <work_dir>/train).")] = None,
     dataset: Annotated[list[str] | None, typer.Option(
@@ -60,7 +61,7 @@ def eval_cmd(
     from ..decode.report import render_scheduler_table, render_table
     from ..decode.stages import run_eval
 
-    cfg = load(config, set_, target={"model": target}, eval={
+    cfg = load(config, set_, target={"model": target, "device": device}, eval={
         "datasets": dataset, "drafter": drafter, "limit": limit, "max_new_tokens": max_new_tokens,
         "temperature": temperature, "thinking": thinking, "schedule": schedule, "concurrency": concurrency,
         "concurrency_sweep": _csv_ints(concurrency_sweep), "threshold": threshold, "sps": sps,

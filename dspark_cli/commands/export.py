@@ -28,7 +28,8 @@ class _DefaultWrite(TyperGroup):
 
 export_app = typer.Typer(
     cls=_DefaultWrite, no_args_is_help=True, add_completion=False,
-    help="Write a drafter's serving folder (`write`, the default) or check one (`check`).")
+    help="Write a drafter's serving folder (`write`, the default) or check one (`check`).",
+    rich_markup_mode=None)
 
 
 @export_app.command("write")

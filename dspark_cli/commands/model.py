@@ -16,7 +16,7 @@ from ..console import console, out
 from ..errors import DsparkError
 
 model_app = typer.Typer(help="Prepare target models (GGUF or hub folder → safetensors folder).",
-                        no_args_is_help=True)
+                        no_args_is_help=True, rich_markup_mode=None)
 
 
 @model_app.command("convert")

@@ -16,7 +16,8 @@ from ..console import out
 from ._common import load
 from ._options import ForceOpt, SetOpt
 
-pipeline_app = typer.Typer(help="Run or inspect a whole pipeline config.", no_args_is_help=True)
+pipeline_app = typer.Typer(help="Run or inspect a whole pipeline config.", no_args_is_help=True,
+                           rich_markup_mode=None)
 
 ConfigArg = Annotated[str, typer.Argument(help="Pipeline TOML, e.g. pipelines/qwen3-4b.toml.")]
 

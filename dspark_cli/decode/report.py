@@ -5,7 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from rich import box
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from .calibrate import RoundRecords, scale
 from .scheduler import threshold_lengths
@@ -151,24 +154,39 @@ def dataset_report(name: str, url: str, conversations: int, stats: DecodeStats,
     }
 
 
-def render_table(report: dict[str, Any]) -> Table:
+#: Eval table columns; numbers never cut their header (only a long dataset name folds).
+EVAL_COLUMNS = ("dataset", "τ", "accept", "drafted", "verified", "accepted", "tok/s\nspec", "tok/s\ntarget",
+                "speedup")
+
+
+def _header_width(col: str) -> int:
+    return max(len(part) for part in col.split("\n"))
+
+
+def render_table(report: dict[str, Any]) -> Group:
+    """The eval summary: one row per dataset (fits 80 columns), then each dataset's conditional
+    acceptance by position on its own line (a list as long as γ does not fit a cell)."""
     table = Table(title=f"dspark eval — γ={report['block_size']}, T={report['temperature']}, "
-                        f"schedule={report['schedule']}")
-    for col in ("dataset", "τ", "accept", "drafted", "verified", "accepted", "tok/s spec", "tok/s target",
-                "speedup", "cond. acceptance by position"):
-        left = col in ("dataset", "cond. acceptance by position")
-        table.add_column(col, justify="left" if left else "right")
+                        f"schedule={report['schedule']}",
+                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for col in EVAL_COLUMNS:
+        if col == "dataset":
+            table.add_column(col, justify="left", overflow="fold")
+        else:
+            table.add_column(col, justify="right", no_wrap=True, min_width=_header_width(col))
 
     def f(x: float | None, digits: int = 2) -> str:
         return "—" if x is None else f"{x:.{digits}f}"
 
+    lines = []
     for d in report["datasets"]:
         tps = d["tokens_per_second"]
-        cond = " ".join(f(c) for c in d["position_acceptance"]["conditional"])
         table.add_row(d["name"], f(d["tau"]), f(d["acceptance_rate"]), str(d["drafted"]), str(d["verified"]),
                       str(d["accepted"]), f(tps["speculative"], 1), f(tps["target_only"], 1),
-                      f(tps["speedup"]), cond)
-    return table
+                      f(tps["speedup"]))
+        cond = " ".join(f(c) for c in d["position_acceptance"]["conditional"])
+        lines.append(Text(f"{d['name']}: conditional acceptance by position {cond}"))
+    return Group(table, *lines)
 
 
 def render_scheduler_table(report: dict[str, Any]) -> Table | None:
