@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from . import manifest, storage
 from .config import PipelineConfig, load_config
@@ -99,9 +100,49 @@ def run_pipeline(config_path: str, sets: list[str] | None = None, stages: str | 
     """Run the selected stages in order; finished ones report 'nothing to do' in seconds."""
     sets = list(sets or [])
     cfg = load_config(config_path, sets)
+    selected = parse_stages(stages)
+    preflight(cfg, selected)
     outcomes = []
-    for stage in parse_stages(stages):
+    for stage in selected:
         start = time.time()
         run_stage(stage, cfg, config_path, sets, force)
         outcomes.append(StageOutcome(stage, time.time() - start, cfg.stage_url(STAGE_COMMANDS[stage][1])))
     return outcomes
+
+
+def preflight(cfg: PipelineConfig, stages: list[str]) -> None:
+    """Check every selected stage's own inputs (those no earlier stage writes) before the first
+    starts, so a pipeline never fails at its last stage for a value it had from the start."""
+    from .data.sources import expand, is_local_source
+    from .target import files
+
+    problems: list[tuple[str, str, str]] = []  # (stage, problem, hint)
+
+    def check(stage: str, fn: Any) -> None:
+        try:
+            fn()
+        except DsparkError as e:
+            problems.append((stage, str(e), e.hint or ""))
+
+    todo = [st for st in stages if manifest.read_manifest(cfg.stage_url(STAGE_COMMANDS[st][1])) is None]
+    if "prepare" in todo and is_local_source(cfg.data.source):
+        check("prepare", lambda: expand(cfg.data.source))
+    if "regen" in todo and not cfg.regen.serve_target and not (cfg.regen.endpoints and cfg.regen.model):
+        problems.append(("regen", "regen.endpoints and regen.model must be set (or regen.serve_target).",
+                         "--set regen.endpoints=['http://HOST:PORT/v1'] --set regen.model=NAME"))
+    users = [st for st in todo if st in ("cache", "train", "calibrate", "eval")
+             or (st == "regen" and cfg.regen.serve_target)]
+    if users:  # the target: a local folder with config.json, or a hub id the hub can serve now
+        check(users[0], lambda: files.hub_kwargs(cfg.target.model, cfg.target.revision))
+    if "eval" in todo:
+        if not cfg.eval.datasets:
+            problems.append(("eval", "eval.datasets is empty.",
+                             'name {"turns": [...]} JSONL files in [eval] datasets (see pipelines/*.toml).'))
+        for url in cfg.eval.datasets:
+            if url.endswith((".jsonl", ".json")) and not storage.exists(url):
+                problems.append(("eval", f"eval.datasets: {url}: file not found.",
+                                 "paths in a config are read from the directory you run dspark in."))
+    if problems:
+        stage, problem, hint = problems[0]
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise DsparkError(f"pipeline: stage {stage} cannot run: {problem}{more}", hint=hint or None)

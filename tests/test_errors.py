@@ -251,3 +251,27 @@ def test_help_and_eval_table_are_readable_at_80_columns():
     for header in ("dataset", "accept", "drafted", "verified", "accepted", "spec", "target", "speedup"):
         assert f" {header}" in text, text
     assert "gsm8k: conditional acceptance by position 0.90 0.80" in text
+
+
+# ---- pipeline preflight ------------------------------------------------------------------------------
+
+def test_pipeline_checks_every_stage_before_the_first(tmp_path, tiny_qwen3_target):
+    src = _prompts_jsonl(tmp_path / "a.jsonl")
+    toml = tmp_path / "p.toml"
+    toml.write_text(f'[pipeline]\nwork_dir = "{tmp_path / "work"}"\n[target]\nmodel = "{tiny_qwen3_target}"\n'
+                    f'[data]\nsource = "{src}"\n[regen]\nserve_target = true\n[eval]\ndatasets = []\n')
+    proc = run_dspark("pipeline", "run", str(toml))
+    assert_user_error(proc, "stage eval", "eval.datasets is empty")
+    assert not (tmp_path / "work").exists()  # no stage started
+    fixed = run_dspark("pipeline", "run", str(toml), "--stages", "prepare",
+                       "--set", f"eval.datasets=['{src}']")
+    assert fixed.returncode == 0, fixed.stderr
+    assert (tmp_path / "work" / "prompts" / "manifest.json").exists()
+
+
+def test_qwen3_pipelines_name_existing_eval_sets():
+    from dspark_cli.config import load_config
+
+    for toml in sorted((REPO / "pipelines").glob("qwen3-*.toml")):
+        datasets = load_config(str(toml), []).eval.datasets
+        assert datasets and all((REPO / d).is_file() for d in datasets), toml
