@@ -3,7 +3,8 @@
 Each stage is the same `dspark …` command a user would type, so the pipeline inherits every stage's
 restart rules: a finished stage says "nothing to do", an interrupted one resumes. A separate process
 per stage keeps one stage's memory (the target, the drafter) from leaking into the next and lets a
-crash name the stage that failed. With `[regen] serve_target = true` the runner starts
+crash name the stage that failed. With `[train] source = "online"` the cache stage is skipped:
+train reads the responses and runs the target itself. With `[regen] serve_target = true` the runner starts
 `dspark serve` on the target for the regen stage (`serve.process.regen_endpoints`: the server
 dies with the runner, even on kill -9; laptops and demos — production points regen at vLLM or
 SGLang).
@@ -101,6 +102,10 @@ def run_pipeline(config_path: str, sets: list[str] | None = None, stages: str | 
     sets = list(sets or [])
     cfg = load_config(config_path, sets)
     selected = parse_stages(stages)
+    if "cache" in selected and cfg.train.source == "online":
+        console.print("[dim]pipeline: train.source = \"online\": no cache to build (train runs the "
+                      "target over the responses itself).[/]")
+        selected.remove("cache")
     preflight(cfg, selected)
     outcomes = []
     for stage in selected:

@@ -236,6 +236,15 @@ def test_estimate_matches_the_built_cache(local_cache, tiny_qwen3_target, respon
     assert estimate["uncompressed_bytes"] == extra["raw_bytes"]
     assert estimate["reference_bytes"] == extra["reference_bytes"]
     assert 0.7 < estimate["expected_bytes"] / extra["bytes"] < 1.3
+    # what online training trades: those bytes, for a forward over each training sample per epoch
+    train = [j for shard in extra["shards"] for j in range(shard["num_samples"])
+             if j not in shard["validation_samples"]]
+    assert estimate["online_saves_bytes"] == estimate["expected_bytes"]
+    assert estimate["online_target_forwards_per_epoch"] == len(train) > 0
+    assert 0 < estimate["online_target_tokens_per_epoch"] < estimate["tokens"]
+    table = invoke("estimate", "--responses", responses, "--target", str(tiny_qwen3_target), "--layers",
+                   "1,9,17,25,33", "--set", "cache.min_loss_tokens=8")
+    assert "train --online" in table.stdout and "per sample per epoch" in table.stdout
 
 
 def test_partial_shard_on_an_object_store_is_rebuilt(local_cache, tiny_qwen3_target, responses, memory_url):

@@ -1,8 +1,11 @@
 """`dspark cache estimate`: the cache's size before building it (tokenizer and config only, no weights).
 
 Renders (a sample of) the responses exactly as `build` would, counts tokens and supervised tokens,
-and applies the layout's bytes per token. Compression ratios are the ones measured on real
-SmolLM2-135M states (`make bench-cache`, docs/cache.md); the uncompressed figure is exact.
+and applies the layout's bytes per token. It also says what training online (`dspark train
+--online`, no cache) would trade: these bytes saved, for one target forward per training
+sample per epoch (the cache pays that forward once, at build time). Compression ratios are the
+ones measured on real SmolLM2-135M states (`make bench-cache`, docs/cache.md); the uncompressed
+figure is exact.
 """
 
 from __future__ import annotations
@@ -42,9 +45,13 @@ def estimate_cache(cfg: PipelineConfig, responses_url: str, sample: int = 2000) 
     raw = store.layout_bytes(tokens, loss, m, d, cfg.cache.storage_dtype)
     expected = int(raw * EXPECTED_RATIO[(cfg.cache.storage_dtype, cfg.cache.compression)])
     reference = store.reference_bytes(tokens, m, d)
+    train = [s for s in samples if s.split == "train"]
     return {"rows": total_rows, "rendered_rows": len(rows), "samples": int(len(samples) * scale),
             "skipped": {k: int(v * scale) for k, v in skipped.items()}, "tokens": tokens,
             "loss_tokens": loss, "layers": layers, "hidden_size": d, "storage_dtype": cfg.cache.storage_dtype,
             "compression": cfg.cache.compression, "uncompressed_bytes": raw, "expected_bytes": expected,
             "reference_bytes": reference, "vs_reference": round(expected / max(1, reference), 3),
-            "exact": len(rows) == total_rows}
+            "exact": len(rows) == total_rows,
+            # online training: no cache bytes; the target's forward over every training sample, each epoch
+            "online_saves_bytes": expected, "online_target_forwards_per_epoch": int(len(train) * scale),
+            "online_target_tokens_per_epoch": int(sum(len(s.input_ids) for s in train) * scale)}

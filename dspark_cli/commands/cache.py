@@ -122,8 +122,13 @@ def estimate(
         out.print_json(json.dumps(result))
         return
     shown = dict(result)
-    for key in ("uncompressed_bytes", "expected_bytes", "reference_bytes"):
+    for key in ("uncompressed_bytes", "expected_bytes", "reference_bytes", "online_saves_bytes"):
         shown[key] = f"{_fmt_bytes(result[key])} ({result[key]:,} B)"
+    shown["online training"] = (
+        f"`dspark train --online` writes no cache (saves {_fmt_bytes(result['online_saves_bytes'])}) and "
+        f"costs a target forward per sample per epoch: {result['online_target_forwards_per_epoch']:,} "
+        f"forwards, {result['online_target_tokens_per_epoch']:,} tokens each epoch "
+        "(the cache pays them once)")
     out.print(_table("cache estimate", shown))
 
 

@@ -1,6 +1,8 @@
 """`dspark train`: train a drafter from a cache (its serving folder: commands/export.py).
 
     dspark train --cache runs/x/cache --output runs/x/train --config pipelines/qwen3-4b.toml
+    dspark train --online --responses runs/x/responses --output runs/x/train   # no cache: the
+                                                                               # target runs in the loop
     torchrun --nproc_per_node 8 -m dspark_cli.cli train --cache s3://b/cache --output s3://b/train
 """
 
@@ -11,12 +13,18 @@ from typing import Annotated
 import typer
 
 from ..console import out
+from ..errors import DsparkError
 from ._common import load
 from ._options import ConfigOpt, ForceOpt, SetOpt
 
 CacheOpt = Annotated[str | None, typer.Option("--cache", "-i", help="Cache URL (default: <work_dir>/cache).")]
 OutputOpt = Annotated[str | None, typer.Option("--output", "-o",
                                                help="Train artifact URL (default: <work_dir>/train).")]
+ResponsesOpt = Annotated[str | None, typer.Option(
+    "--responses", help="With --online: responses URL (default: <work_dir>/responses).")]
+OnlineOpt = Annotated[bool, typer.Option(
+    "--online", help="No cache: the target computes the features in the training loop "
+                     "(= train.source \"online\").")]
 TargetOpt = Annotated[str | None, typer.Option("--target", help="Target folder or id (default: cache's).")]
 
 
@@ -24,6 +32,8 @@ def train_command(
     cache: CacheOpt = None,
     output: OutputOpt = None,
     target: TargetOpt = None,
+    online: OnlineOpt = False,
+    responses: ResponsesOpt = None,
     max_steps: Annotated[int | None, typer.Option("--max-steps", help="Stop after this many steps.")] = None,
     epochs: Annotated[int | None, typer.Option("--epochs", help="Passes over the training split.")] = None,
     global_batch: Annotated[int | None, typer.Option("--global-batch", help="Samples per step.")] = None,
@@ -31,21 +41,39 @@ def train_command(
     lr: Annotated[float | None, typer.Option("--lr", help="Peak learning rate.")] = None,
     num_anchors: Annotated[int | None, typer.Option("--num-anchors", help="Anchors per sample.")] = None,
     device: Annotated[str | None, typer.Option("--device", help="auto, cpu, cuda, cuda:N.")] = None,
+    target_dtype: Annotated[str | None, typer.Option(
+        "--target-dtype", help="With --online: the target's dtype (= target.dtype).")] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     force: ForceOpt = False,
 ) -> None:
     """Train a DSpark (or DFlash baseline) drafter; resumes from the latest checkpoint after a crash."""
-    from ..cache.reader import CacheDataset
     from ..train.trainer import train
 
-    cfg = load(config, set_, target={"model": target},
+    cfg = load(config, set_, target={"model": target, "dtype": target_dtype},
                train={"max_steps": max_steps, "epochs": epochs, "global_batch": global_batch,
-                      "micro_batch": micro_batch, "lr": lr, "num_anchors": num_anchors, "device": device})
+                      "micro_batch": micro_batch, "lr": lr, "num_anchors": num_anchors, "device": device,
+                      "source": "online" if online else None})
     output_url = output or cfg.stage_url("train")
-    cache_url = cache or cfg.stage_url("cache")
-    manifest = train(cfg, cache_url, output_url, force=force,
-                     open_split=lambda split: CacheDataset(cache_url, split=split))
+    if cfg.train.source == "online":
+        from ..train.online import OnlineSource
+
+        if cache is not None:
+            raise DsparkError("--cache with online training: the target computes the features, "
+                              "nothing reads a cache.", hint="drop --cache (or --online); pass --responses.")
+        input_url = responses or cfg.stage_url("responses")
+        open_split = OnlineSource(cfg, input_url).open
+    else:
+        from ..cache.reader import CacheDataset
+
+        if responses is not None:
+            raise DsparkError("--responses needs --online (or train.source = \"online\"); a cache-fed "
+                              "run reads --cache.", hint="add --online, or pass --cache.")
+        input_url = cache or cfg.stage_url("cache")
+
+        def open_split(split: str) -> CacheDataset:
+            return CacheDataset(input_url, split=split)
+    manifest = train(cfg, input_url, output_url, force=force, open_split=open_split)
     if manifest is not None:
         final = manifest["extra"].get("final_metrics", {})
         out.print_json(data={"output": output_url, "export": manifest["extra"]["export"],

@@ -7,10 +7,19 @@ from dataclasses import dataclass
 from ..target.dtypes import DTYPE_NAMES
 from .base import Section
 
+SOURCES = ("cache", "online")
+#: Keys that change how fast training runs, not what it computes (left out of the stage config).
+RUNTIME_KEYS = ("prefetch_batches",)
+
 
 @dataclass
 class TrainSettings(Section):
     name = "train"
+    #: Where the target's features come from: "cache" (`dspark cache build`'s output) or "online"
+    #: (the target runs in the training loop over the regenerated responses; no cache is built).
+    source: str = "cache"
+    #: Micro-batches made ahead in a background thread (online: the target's forwards), 0: none.
+    prefetch_batches: int = 2
     #: Anchors drawn per sequence (without replacement, seeded).
     num_anchors: int = 512
     lr: float = 6e-4
@@ -49,6 +58,10 @@ class TrainSettings(Section):
     export_include_embeddings: bool = False
 
     def validate(self) -> None:
+        if self.source not in SOURCES:
+            self.fail("source", f"must be one of {', '.join(SOURCES)}, got {self.source!r}.")
+        if self.prefetch_batches < 0:
+            self.fail("prefetch_batches", f"must be >= 0 (0: no prefetch), got {self.prefetch_batches}.")
         if self.num_anchors <= 0:
             self.fail("num_anchors", f"must be > 0, got {self.num_anchors}.")
         if self.lr <= 0:

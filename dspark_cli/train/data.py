@@ -9,7 +9,8 @@ uninterrupted one (the data position is just the step number).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -79,7 +80,8 @@ def load_batch(dataset: Sequence[Sample], indices: list[int], epoch: int, num_an
     A micro-batch without any anchor still yields one unsupervised block (zero loss, zero
     gradient), so every DDP rank runs the same number of backward passes.
     """
-    samples = [dataset[i] for i in indices]
+    get_many = getattr(dataset, "get_many", None)  # online: one target pass for the micro-batch
+    samples = get_many(indices) if get_many is not None else [dataset[i] for i in indices]
     anchors = [sample_anchors(s.loss_mask, num_anchors, anchor_generator(seed, epoch, i))
                for s, i in zip(samples, indices, strict=True)]
     if all(a.numel() == 0 for a in anchors):
@@ -88,3 +90,46 @@ def load_batch(dataset: Sequence[Sample], indices: list[int], epoch: int, num_an
         batch.valid.zero_()
         return batch
     return pack(samples, anchors, config)
+
+
+@dataclass
+class MicroBatch:
+    """A packed micro-batch (on the host) and what making it cost."""
+
+    step: int
+    epoch: int
+    batch: PackedBatch
+    #: Seconds of the target's forward spent on it (online training; 0 from a cache).
+    target_s: float
+    #: Seconds to make it in all (read or forward, render, pack).
+    made_s: float
+
+
+def plan_items(plan: StepPlan, start: int, stop: int) -> Iterator[tuple[int, int, list[int]]]:
+    """(step, epoch, sample indices) of this rank's micro-batches for steps start..stop-1, in order."""
+    for step in range(start, stop):
+        epoch, micro = plan.micro_batches(step)
+        for indices in micro:
+            yield step, epoch, indices
+
+
+class BatchMaker:
+    """Makes the MicroBatch of a `plan_items` item (in the prefetch thread)."""
+
+    def __init__(self, dataset: Sequence[Sample], plan: StepPlan, num_anchors: int, seed: int,
+                 config: DrafterConfig) -> None:
+        self.dataset, self.plan, self.config = dataset, plan, config
+        self.num_anchors, self.seed = num_anchors, seed
+        self._epoch = -1
+
+    def __call__(self, item: tuple[int, int, list[int]]) -> MicroBatch:
+        step, epoch, indices = item
+        if epoch != self._epoch and hasattr(self.dataset, "set_order"):
+            # Tell the cache reader's prefetcher which samples this rank reads next, in order.
+            self.dataset.set_order(self.plan.rank_indices(step))
+        self._epoch = epoch
+        target_before = getattr(self.dataset, "forward_seconds", 0.0)
+        started = time.perf_counter()
+        batch = load_batch(self.dataset, indices, epoch, self.num_anchors, self.seed, self.config)
+        return MicroBatch(step, epoch, batch, getattr(self.dataset, "forward_seconds", 0.0) - target_before,
+                          time.perf_counter() - started)

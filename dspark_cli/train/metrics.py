@@ -17,6 +17,14 @@ from ..schemas import validate
 METRICS = "metrics.jsonl"
 
 
+def _timing(record: dict[str, Any]) -> str:
+    """Where the step's time went: the target (online) vs the drafter, and waiting for data."""
+    if "drafter_s" not in record:
+        return ""
+    target = f"  target {record['target_s']:.2f}s" if "target_s" in record else ""
+    return f"{target}  drafter {record['drafter_s']:.2f}s  wait {record['data_wait_s']:.2f}s"
+
+
 class MetricsLog:
     def __init__(self, url: str, resume_step: int = 0, enabled: bool = True) -> None:
         self.url = storage.join(url, METRICS)
@@ -54,6 +62,7 @@ class MetricsLog:
             + conf
             + f"  τ {record['accepted_length']:.2f}  acc[0] {acc[0] if acc else float('nan'):.3f}"
             + f"  lr {record['lr']:.2e}  {record['tokens_per_s']:.0f} slots/s"
+            + _timing(record)
         )
         if self.tb is not None:
             for key, value in record.items():

@@ -1,6 +1,7 @@
 """`dspark train`: the training loop, single process or DDP under torchrun, resumable.
 
     dspark train --cache runs/x/cache --output runs/x/train
+    dspark train --online --responses runs/x/responses --output runs/x/train    # no cache
     torchrun --nproc_per_node 8 -m dspark_cli.cli train --cache s3://b/cache --output s3://b/train
 
 The loop reads in the order it runs: lr → micro-steps (forward, backward; DDP syncs on the last)
@@ -34,14 +35,16 @@ from ..model.drafter import DSparkDrafter
 from ..model.export import export_drafter
 from ..model.frozen import attach_frozen
 from ..sample import Sample
+from ..settings.train import RUNTIME_KEYS
 from ..target.dtypes import resolve_device
 from ..target.files import load_config, num_layers
 from ..target.identity import config_hash
 from ..target.layers import agree_layers, resolve_layers
 from . import checkpoint as ckpt
-from .data import StepPlan, load_batch
+from .data import BatchMaker, StepPlan, plan_items
 from .loss import DrafterLoss, LossWeights, summarize
 from .metrics import MetricsLog
+from .prefetch import Prefetcher
 from .validate import evaluate
 
 STAGE = "train"
@@ -123,12 +126,13 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
           dataset: Sequence[Sample] | None = None, validation: Sequence[Sample] | None = None,
           on_step_end: Callable[[int, dict[str, Any]], None] | None = None,
           open_split: Callable[[str], Sequence[Sample]] | None = None) -> dict[str, Any] | None:
-    """Train (or resume) a drafter from a cache; returns the stage manifest (None off rank 0).
+    """Train (or resume) a drafter; returns the stage manifest (None off rank 0).
 
-    `open_split(split)` opens a split of the cache at `cache_url` (the command passes the cache
-    reader; train imports no other stage). `dataset` / `validation` replace those splits (any
-    sequences of `Sample`s); `on_step_end(step, record)` is called after every optimizer step
-    (monitoring, tests).
+    `open_split(split)` opens a split of the input at `cache_url`: the cache reader (the command
+    passes it; train imports no other stage), or with `train.source = "online"` an
+    `online.OnlineSource` over the responses at that URL. `dataset` / `validation` replace those
+    splits (any sequences of `Sample`s); `on_step_end(step, record)` is called after every
+    optimizer step (monitoring, tests).
     """
     tc = cfg.train
     device_type = resolve_device(tc.device, 0).type
@@ -142,11 +146,23 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     meta = dict(getattr(dataset, "meta", {}) or {})
     dcfg = drafter_config_for(cfg, meta)
 
-    # The resolved layers, not the spelling: "auto" and the cache's ids are the same run.
+    online = meta.get("source") == "online"
+
+    # The resolved layers, not the spelling: "auto" and the cache's ids are the same run. Keys
+    # that only change speed stay out, so do `source` and `online` for a cache-fed run (a run of
+    # the release before them still resumes).
+    train_config = {k: v for k, v in tc.to_dict().items() if k not in (*RUNTIME_KEYS, "source")}
     stage_config = {"target": {**cfg.target.to_dict(), "layers": list(dcfg.target_layer_ids)},
-                    "model": cfg.model.to_dict(), "train": tc.to_dict()}
-    # A caller-supplied dataset has no artifact to fingerprint; its URL is only a label.
-    inputs = {cache_url: f"dataset:{len(dataset)}" if supplied else fingerprint(cache_url)}
+                    "model": cfg.model.to_dict(), "train": train_config}
+    if online:  # what `cache build` would have recorded about rendering
+        stage_config["online"] = {"max_length": cfg.cache.max_length,
+                                  "min_loss_tokens": cfg.cache.min_loss_tokens}
+    if supplied:  # a caller-supplied dataset has no artifact to fingerprint; its URL is only a label
+        inputs = {cache_url: f"dataset:{len(dataset)}"}
+    elif online:  # the responses, and the target whose forwards are the features
+        inputs = dataset.stage_inputs()
+    else:
+        inputs = {cache_url: fingerprint(cache_url)}
     def build_drafter() -> DSparkDrafter:
         torch.manual_seed(tc.seed)
         built = DSparkDrafter(dcfg)
@@ -197,62 +213,71 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     flex = use_flex(device)
     started = time.time()
     record: dict[str, Any] = {}
-    prefetch_epoch = -1
+    # The next micro-batches are made in the background (online: the target's forwards).
+    batches = Prefetcher(BatchMaker(dataset, plan, tc.num_anchors, tc.seed, dcfg),
+                         plan_items(plan, start_step, total_steps), depth=tc.prefetch_batches)
+    try:
+        for step in range(start_step, total_steps):
+            t0 = time.time()
+            lr = scheduler.get_last_lr()[0]
+            totals: dict[str, torch.Tensor] = {}
+            target_s = wait_s = 0.0
+            module.train()
+            for i in range(plan.accumulation):
+                waited = time.perf_counter()
+                micro = next(batches)
+                wait_s += time.perf_counter() - waited
+                target_s += micro.target_s
+                assert micro.step == step, (micro.step, step)
+                epoch, batch = micro.epoch, micro.batch.to(device)
+                mask = flex_block_mask(batch.layout) if flex else dense_mask(batch.layout)
+                last = i == plan.accumulation - 1
+                sync = nullcontext() if (last or world.world_size == 1) else module.no_sync()
+                with sync:
+                    with autocast_for(tc.precision, device):
+                        loss, stats = module(batch, mask)
+                    (loss / plan.accumulation).backward()
+                for k, v in stats.items():
+                    totals[k] = totals.get(k, 0) + v.float().cpu()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip) if tc.grad_clip > 0 else None
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
 
-    for step in range(start_step, total_steps):
-        t0 = time.time()
-        lr = scheduler.get_last_lr()[0]
-        epoch, micro = plan.micro_batches(step)
-        if epoch != prefetch_epoch and hasattr(dataset, "set_order"):
-            # Tell the cache reader's prefetcher which samples this rank reads next, in order.
-            dataset.set_order(plan.rank_indices(step))
-            prefetch_epoch = epoch
-        totals: dict[str, torch.Tensor] = {}
-        module.train()
-        for i, indices in enumerate(micro):
-            batch = load_batch(dataset, indices, epoch, tc.num_anchors, tc.seed, dcfg).to(device)
-            mask = flex_block_mask(batch.layout) if flex else dense_mask(batch.layout)
-            last = i == len(micro) - 1
-            sync = nullcontext() if (last or world.world_size == 1) else module.no_sync()
-            with sync:
-                with autocast_for(tc.precision, device):
-                    loss, stats = module(batch, mask)
-                (loss / len(micro)).backward()
-            for k, v in stats.items():
-                totals[k] = totals.get(k, 0) + v.float().cpu()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip) if tc.grad_clip > 0 else None
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-
-        # Means over the global batch: loss terms are per-micro-batch means; slot sums add up.
-        for k in ("loss", "ce", "tv", "conf_bce"):
-            totals[k] = totals[k] / len(micro) / world.world_size
-        packed = torch.cat([totals[k].reshape(-1) for k in sorted(totals)])
-        packed = world.all_sum(packed.to(device)).cpu()  # NCCL reduces CUDA tensors only
-        offset = 0
-        for k in sorted(totals):
-            n = totals[k].numel()
-            totals[k] = packed[offset:offset + n].reshape(totals[k].shape)
-            offset += n
-        elapsed = time.time() - t0
-        record = {"step": step + 1, "total_steps": total_steps, "epoch": epoch, "lr": lr,
-                  **summarize(totals, drafter.confidence_head is not None),
-                  "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                  "anchor_slots": int(totals["blocks"]) * dcfg.block_size,
-                  "tokens_per_s": float(totals["blocks"]) * dcfg.block_size / max(elapsed, 1e-9),
-                  "elapsed_s": round(time.time() - started, 3)}
-        if (step + 1) % tc.log_every == 0 or step + 1 == total_steps or step == start_step:
-            log.log(record)
-        if (step + 1) % tc.save_every == 0 or step + 1 == total_steps:
-            ckpt.save_rng(output_url, step + 1, world.rank)
-            world.barrier()
-            if world.main:
-                ckpt.save_checkpoint(output_url, step + 1, drafter, optimizer, scheduler,
-                                     {"epoch": epoch, "total_steps": total_steps}, tc.keep_last)
-            world.barrier()
-        if on_step_end is not None:
-            on_step_end(step + 1, record)
+            # Means over the global batch: loss terms are per-micro-batch means; slot sums add up.
+            for k in ("loss", "ce", "tv", "conf_bce"):
+                totals[k] = totals[k] / plan.accumulation / world.world_size
+            packed = torch.cat([totals[k].reshape(-1) for k in sorted(totals)])
+            packed = world.all_sum(packed.to(device)).cpu()  # NCCL reduces CUDA tensors only
+            offset = 0
+            for k in sorted(totals):
+                n = totals[k].numel()
+                totals[k] = packed[offset:offset + n].reshape(totals[k].shape)
+                offset += n
+            elapsed = time.time() - t0
+            record = {"step": step + 1, "total_steps": total_steps, "epoch": epoch, "lr": lr,
+                      **summarize(totals, drafter.confidence_head is not None),
+                      "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                      "anchor_slots": int(totals["blocks"]) * dcfg.block_size,
+                      "tokens_per_s": float(totals["blocks"]) * dcfg.block_size / max(elapsed, 1e-9),
+                      "elapsed_s": round(time.time() - started, 3),
+                      # this rank's split of the step: the drafter's work, and waiting for batches
+                      "drafter_s": round(max(0.0, elapsed - wait_s), 4), "data_wait_s": round(wait_s, 4)}
+            if online:
+                record["target_s"] = round(target_s, 4)  # the target's forwards for this step's batches
+            if (step + 1) % tc.log_every == 0 or step + 1 == total_steps or step == start_step:
+                log.log(record)
+            if (step + 1) % tc.save_every == 0 or step + 1 == total_steps:
+                ckpt.save_rng(output_url, step + 1, world.rank)
+                world.barrier()
+                if world.main:
+                    ckpt.save_checkpoint(output_url, step + 1, drafter, optimizer, scheduler,
+                                         {"epoch": epoch, "total_steps": total_steps}, tc.keep_last)
+                world.barrier()
+            if on_step_end is not None:
+                on_step_end(step + 1, record)
+    finally:
+        batches.close()  # on every exit path: no prefetch thread outlives the loop
     log.close()
 
     manifest = None
@@ -275,7 +300,8 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
             counts={"steps": total_steps, "samples_seen": total_steps * tc.global_batch,
                     "train_samples": len(dataset)},
             extra={"drafter_config": dcfg.to_dict(), "export": export_url, "checkpoint": final,
-                   "world_size": world.world_size, "final_metrics": record, "validation": held_out},
+                   "world_size": world.world_size, "final_metrics": record, "validation": held_out,
+                   **({"online": dataset.report()} if online else {})},
         )
         console.print(f"[green]✓[/] train: exported {export_url}")
         engines = refresh_card(export_url)  # README.md + the engines check (docs/engines.md)
