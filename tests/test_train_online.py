@@ -120,6 +120,9 @@ def test_cli_online_trains_and_refuses_a_cache_flag(data, tiny_qwen3_target, tmp
     code = run("train", "--responses", responses, "--output", str(tmp_path / "u"), *sets)
     err = capsys.readouterr().err
     assert code == 2 and "error: --responses needs --online" in err
+    code = run("train", "--online", "--responses", cache, "--output", str(tmp_path / "u"), *sets)
+    err = capsys.readouterr().err
+    assert code == 2 and f"error: --responses {cache}: is a 'cache' artifact, not a 'data.regen' one" in err
     assert not (tmp_path / "u").exists()
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import manifest
 from ..config import PipelineConfig
 from ..console import console
 from ..errors import DsparkError
@@ -68,6 +69,11 @@ class OnlineSource:
         device = self.device
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL's object gather below uses the current device
+        manifest.require_artifact(self.url, "data.regen", "--responses", "pass the output of `dspark data "
+                                  "regen` (default <work_dir>/responses) as --responses.")
+        if manifest.read_manifest(self.url) is None and rank == 0 and not self.quiet:
+            console.print(f"[yellow]warning:[/] {self.url} has no manifest.json: is `dspark data regen` "
+                          "still running? Training uses only the rows present now.")
         self.rows = list(read_response_rows(self.url))
         if not self.rows:
             raise DsparkError(f"{self.url}: no responses to train on (0 rows).",
@@ -163,10 +169,8 @@ class OnlineSource:
 
     def stage_inputs(self) -> dict[str, str]:
         """The train stage's inputs: the responses and the target (its weights are read every step)."""
-        from ..manifest import fingerprint
-
         t = self.cfg.target
-        return {self.url: fingerprint(self.url),
+        return {self.url: manifest.fingerprint(self.url),
                 t.model: identity.fingerprint(t.model, t.revision, t.trust_remote_code)}
 
 
