@@ -275,3 +275,33 @@ def test_qwen3_pipelines_name_existing_eval_sets():
     for toml in sorted((REPO / "pipelines").glob("qwen3-*.toml")):
         datasets = load_config(str(toml), []).eval.datasets
         assert datasets and all((REPO / d).is_file() for d in datasets), toml
+
+
+# ---- a recipe for your own target ------------------------------------------------------------------
+
+def test_pipeline_new_writes_a_loadable_commented_config(tmp_path, tiny_llama_target):
+    out = tmp_path / "my.toml"
+    assert_user_error(run_dspark("pipeline", "new", "--target", str(tmp_path / "nope" / "x"), "-o", str(out)),
+                      "no such folder")
+    made = run_dspark("pipeline", "new", "--target", str(tiny_llama_target), "-o", str(out))
+    assert made.returncode == 0, made.stderr
+    assert "mask token:" in made.stderr
+    cfg = load_config(str(out), [])
+    assert cfg.target.layers == "auto" and cfg.eval.datasets and cfg.regen.model == str(tiny_llama_target)
+    assert all(line.startswith("#") or "#" in line or not line.strip() or line.startswith("[")
+               or line.startswith(("source", "datasets")) for line in out.read_text().splitlines())
+    assert_user_error(run_dspark("pipeline", "new", "--target", str(tiny_llama_target), "-o", str(out)),
+                      "already exists")
+
+
+def test_mask_token_rule_spare_row_else_an_unused_special_token(tiny_llama_target):
+    from transformers import AutoTokenizer
+
+    from dspark_cli.recipe import choose_mask_token
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_target)
+    assert choose_mask_token(tok, len(tok) + 5).token_id == len(tok)  # a spare embedding row
+    tok.add_special_tokens({"additional_special_tokens": ["<|reserved_special_token_0|>", "<|other|>"]})
+    choice = choose_mask_token(tok, len(tok))  # every row is a token: a reserved one chat never uses
+    assert tok.convert_ids_to_tokens(choice.token_id) == "<|reserved_special_token_0|>"
+    assert choice.token_id not in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..console import out
+from ..console import console, out
 from ._common import load
 from ._options import ForceOpt, SetOpt
 
@@ -48,6 +48,28 @@ def run(
     for o in outcomes:
         table.add_row(o.stage, f"{o.seconds:.1f}", o.output_url)
     out.print(table)
+
+
+@pipeline_app.command("new")
+def new(
+    target: Annotated[str, typer.Option(help="Target model folder or hub id.")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Where to write the TOML.")],
+    force: ForceOpt = False,
+) -> None:
+    """Write a commented config for your target: layers auto, a checked mask token, eval sets."""
+    import os
+
+    from ..errors import DsparkError
+    from ..recipe import new_config
+
+    if os.path.exists(output) and not force:
+        raise DsparkError(f"{output}: already exists.", hint="choose another -o, or pass --force.")
+    text, mask = new_config(target)
+    with open(output, "w") as f:
+        f.write(text)
+    load(output, [])  # what we wrote must load
+    console.print(f"mask token: {mask.token_id} ({mask.reason})")
+    out.print(f"wrote {output}; run it with `dspark pipeline run {output}`")
 
 
 def register(app: typer.Typer) -> None:
