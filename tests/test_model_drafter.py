@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from fixtures.drafter import LAYERS, drafter_config, make_samples
@@ -160,36 +158,66 @@ def greedy(drafter, sample, anchor):
     return drafter.draft_block(ctx, token, anchor, 0.0)
 
 
-def test_greedy_is_argmax_and_cache_matches_fresh(tiny_qwen3_target, samples):
+def test_greedy_is_argmax(tiny_qwen3_target, samples):
     drafter = build(tiny_qwen3_target)
     sample = samples[2]
     start = int(torch.nonzero(sample.loss_mask)[0])
-    results = []
-    for anchor in (start + 1, start + 4, start + 2, start + 6):  # grows, rolls back, grows
+    for anchor in (start + 1, start + 4):
         block = greedy(drafter, sample, anchor)
         assert torch.equal(block.probs.argmax(-1), block.tokens)
         assert torch.equal(block.probs.sum(-1), torch.ones(drafter.block_size))
-        results.append(block)
-    for anchor, cached in zip((start + 1, start + 4, start + 2, start + 6), results, strict=True):
-        drafter.reset_cache()
-        fresh = greedy(drafter, sample, anchor)
-        assert torch.equal(fresh.tokens, cached.tokens)
-        assert torch.allclose(fresh.confidences, cached.confidences, atol=1e-6)
 
 
-def test_cache_never_reuses_another_sequence_that_shares_a_prefix(tiny_qwen3_target, samples):
-    """Chat prompts all start with the same template tokens: the cache must notice where they part."""
+@pytest.mark.parametrize("markov", ["vanilla", "rnn"])
+def test_batched_ragged_rows_grown_in_pieces_draft_as_each_row_alone(tiny_qwen3_target, samples, markov):
+    """Rows of different context lengths, appended a few positions at a time (as decoding does),
+    padded and masked into one backbone pass, give each row's own single-sequence block."""
+    drafter = build(tiny_qwen3_target, markov_head_type=markov)
+    starts = [int(torch.nonzero(s.loss_mask)[0]) for s in samples]
+    anchors = [starts[0] + 2, starts[1] + 7, starts[2] + 4]
+    context = drafter.new_context()
+    for _ in samples:
+        context.add_row()
+    done = [0, 0, 0]
+    while done != anchors:  # ragged growth: 3 positions per row per step, rows finish at different times
+        step = [min(a, d + 3) for a, d in zip(anchors, done, strict=True)]
+        drafter.extend_context(context, [s.hidden_states[d:e] if e > d else None
+                                         for s, d, e in zip(samples, done, step, strict=True)])
+        done = step
+    assert context.lengths == anchors
+    tokens = torch.tensor([int(s.input_ids[a]) for s, a in zip(samples, anchors, strict=True)])
+    batch = drafter.draft(context, tokens, temperature=0.0)
+    for r, (sample, anchor) in enumerate(zip(samples, anchors, strict=True)):
+        alone = greedy(drafter, sample, anchor)
+        assert torch.equal(batch.dist.tokens[r], alone.tokens)
+        torch.testing.assert_close(batch.confidences[r], alone.confidences, atol=1e-5, rtol=1e-5)
+    context.keep([2, 0])  # a request leaves; the others keep their rows
+    again = drafter.draft(context, tokens[[2, 0]], temperature=0.0)
+    assert torch.equal(again.dist.tokens, batch.dist.tokens[[2, 0]])
+
+
+def test_top_k_draft_is_the_renormalised_truncated_distribution(tiny_qwen3_target, samples):
+    """With top_k the drafted tokens come from softmax over the k best base logits + Markov bias,
+    and that (not the full softmax) is the distribution handed to verification."""
     drafter = build(tiny_qwen3_target)
-    sample = samples[2]
-    anchor = int(torch.nonzero(sample.loss_mask)[0]) + 4
-    other = dataclasses.replace(sample, hidden_states=sample.hidden_states.clone())
-    other.hidden_states[anchor - 2:] += 1.0  # same first rows, different later context
-    greedy(drafter, sample, anchor)  # fills the cache from `sample`
-    cached = greedy(drafter, other, anchor)
-    drafter.reset_cache()
-    fresh = greedy(drafter, other, anchor)
-    assert torch.allclose(fresh.probs, cached.probs, atol=1e-6)
-    assert torch.allclose(fresh.confidences, cached.confidences, atol=1e-6)
+    sample = samples[1]
+    anchor = int(torch.nonzero(sample.loss_mask)[0]) + 3
+    ctx, token = sample.hidden_states[:anchor], int(sample.input_ids[anchor])
+    block = drafter.draft_block(ctx, token, anchor, 1.0, torch.Generator().manual_seed(1), top_k=8)
+    full = drafter.draft_block(ctx, token, anchor, 1.0, torch.Generator().manual_seed(1))
+    assert ((block.probs > 0).sum(-1) == 8).all() and torch.allclose(block.probs.sum(-1), torch.ones(4))
+    assert all(block.probs[k, t] > 0 for k, t in enumerate(block.tokens.tolist()))
+    batch = _pack_one(sample, [anchor], drafter.config)
+    with torch.no_grad():
+        h = drafter(batch.block_input_ids, batch.block_position_ids, batch.context_hidden,
+                    batch.context_position_ids, dense_mask(batch.layout))
+        prev = torch.cat([torch.tensor([token]), block.tokens[:-1]]).unsqueeze(0)
+        base = drafter.lm_head(h)[0]
+        logits = base + drafter.markov_head.bias(drafter.markov_head.features(prev, h))[0]
+    top = base.topk(8, dim=-1).indices
+    expected = torch.zeros_like(logits).scatter(-1, top, torch.softmax(logits.gather(-1, top), -1))
+    torch.testing.assert_close(block.probs, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(block.probs, full.probs, atol=1e-3)  # truncation did change it
 
 
 def test_fill_in_feeds_gamma_plus_one_slots(tiny_qwen3_target, samples):

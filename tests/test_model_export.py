@@ -48,7 +48,6 @@ def expected_keys(num_layers: int, markov: bool = True, confidence: bool = True,
 def logits_of(drafter, sample, anchor):
     block = drafter.draft_block(sample.hidden_states[:anchor], int(sample.input_ids[anchor]), anchor,
                                 temperature=1.0, generator=torch.Generator().manual_seed(3))
-    drafter.reset_cache()
     return block
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .sampling import verify
+from .sampling import DraftDist, verify_rounds
 from .scheduler import Scheduler, algorithm1
 from .sps import SpsTable
 
@@ -104,12 +104,15 @@ def simulate(world: SyntheticWorld, policy: str, samples: int, positions: int = 
         while any(len(o) < positions for o in outputs):
             drafts = [_draft(world, p, gen) for p in prevs]
             lengths = schedule([d[2] for d in drafts], [world.gamma] * world.requests)
-            for r, ((tokens, probs, _c), n) in enumerate(zip(drafts, lengths, strict=True)):
-                # Target rows for slots 0..n: slot k is conditioned on the token before it.
-                context = [prevs[r], *tokens[:n].tolist()]
-                target_probs = world.target[context]
-                verdict = verify(tokens, probs, target_probs, n, gen)
-                emitted = [*tokens[: verdict.accepted].tolist(), verdict.next_token]
+            # One batched verification of every request, as the decoder runs it: target rows for
+            # slots 0..ℓ_r (slot k is conditioned on the token before it), padded to the longest.
+            width = max(lengths) + 1
+            contexts = [[p, *d[0][:n].tolist()] for p, d, n in zip(prevs, drafts, lengths, strict=True)]
+            logits = torch.stack([torch.log(world.target[c + c[-1:] * (width - len(c))]) for c in contexts])
+            draft = DraftDist.dense(torch.stack([d[0] for d in drafts]), torch.stack([d[1] for d in drafts]))
+            accepted, next_token = verify_rounds(draft, logits, torch.tensor(lengths), 1.0, gen)
+            for r, (tokens, _probs, _c) in enumerate(drafts):
+                emitted = [*tokens[: int(accepted[r])].tolist(), int(next_token[r])]
                 outputs[r].extend(emitted)
                 prevs[r] = emitted[-1]
         for o in outputs:

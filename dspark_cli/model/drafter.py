@@ -15,6 +15,7 @@ frozen, loaded from its safetensors (model/frozen.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ from torch import nn
 
 from .attention import attend
 from .config import DrafterConfig
-from .draw import draw
+from .draw import DraftDist, draw
 from .heads import ConfidenceHead, MarkovHead
 
 
@@ -142,6 +143,77 @@ class DraftBlock:
     confidences: torch.Tensor | None  # [γ] raw sigmoid outputs, None without a confidence head
 
 
+@dataclass
+class DraftBatch:
+    """R sampled blocks: the tokens with the distributions they were drawn from, and confidences."""
+
+    dist: DraftDist  # tokens [R, γ] and their (top-k) draft distributions
+    confidences: torch.Tensor | None  # float32 [R, γ] raw sigmoid outputs
+
+
+class DraftContext:
+    """Per-request context keys/values, preallocated [rows, Hkv, capacity, D] per layer.
+
+    Row r holds positions 0..lengths[r]-1 of request r (the target features before its anchor);
+    rows are appended to, never recomputed, and capacity grows by doubling, so a round costs the
+    new positions only. The decoder keeps its request order and this one in step.
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, capacity: int = 256) -> None:
+        shape = (0, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lengths: list[int] = []
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    def add_row(self) -> None:
+        """A new, empty request at the end."""
+        for store in (self.keys, self.values):
+            for i, t in enumerate(store):
+                store[i] = torch.cat([t, t.new_zeros((1, *t.shape[1:]))])
+        self.lengths.append(0)
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order (finished requests leave)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.keys[0].device)
+        self.keys = [t.index_select(0, index) for t in self.keys]
+        self.values = [t.index_select(0, index) for t in self.values]
+        self.lengths = [self.lengths[r] for r in rows]
+
+    def write(self, row: int, layer_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append keys/values [Hkv, n, D] per layer at the end of `row`."""
+        start = self.lengths[row]
+        n = layer_kv[0][0].shape[1]
+        if start + n > self.keys[0].shape[2]:
+            grow = max(start + n, 2 * self.keys[0].shape[2]) - self.keys[0].shape[2]
+            for store in (self.keys, self.values):
+                for i, t in enumerate(store):
+                    store[i] = torch.cat([t, t.new_zeros((t.shape[0], t.shape[1], grow, t.shape[3]))], dim=2)
+        for i, (k, v) in enumerate(layer_kv):
+            self.keys[i][row, :, start:start + n] = k
+            self.values[i][row, :, start:start + n] = v
+        self.lengths[row] = start + n
+
+    def layer_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Views [rows, Hkv, max length, D] per layer (shorter rows are masked by `mask`)."""
+        width = max(self.lengths, default=0)
+        return [(k[:, :, :width], v[:, :, :width]) for k, v in zip(self.keys, self.values, strict=True)]
+
+    def mask(self, block: int) -> torch.Tensor | None:
+        """Boolean [rows, 1, block, width + block]: a row's own context and the whole block."""
+        width = max(self.lengths, default=0)
+        if all(n == width for n in self.lengths):
+            return None  # nothing padded: every query sees every key
+        device = self.keys[0].device
+        ctx_ok = torch.arange(width, device=device)[None] < torch.tensor(self.lengths, device=device)[:, None]
+        ok = torch.cat([ctx_ok, ctx_ok.new_ones((self.rows, block))], dim=1)  # [rows, width + block]
+        return ok[:, None, None, :].expand(self.rows, 1, block, width + block)
+
+
 class DSparkDrafter(nn.Module):
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__()
@@ -159,7 +231,6 @@ class DSparkDrafter(nn.Module):
         self._init_weights()
         for p in (self.embed_tokens.weight, self.lm_head.weight):
             p.requires_grad_(False)  # the target's, frozen
-        self.reset_cache()
 
     def _init_weights(self) -> None:
         for module in self.layers.modules():
@@ -223,85 +294,107 @@ class DSparkDrafter(nn.Module):
 
     # ---- inference ---------------------------------------------------------------------------
 
-    def reset_cache(self) -> None:
-        """Forget the cached context keys/values (call between unrelated sequences)."""
-        self._cache_rows: torch.Tensor | None = None  # [n, m·d] the features the cache was built from
-        self._cache_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._cache_len = 0
-
-    def _cached_context_kv(self, ctx_hidden: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer context K/V for rows 0..N-1, computing only the rows not seen before.
-
-        The cache is reused for exactly the prefix of rows that equals what it was built from, so a
-        rollback (rejected tokens) keeps the accepted prefix and another sequence that merely starts
-        with the same chat-template tokens never reads stale keys.
-        """
-        N = ctx_hidden.shape[0]
-        keep = min(N, self._cache_len)
-        if keep and not torch.equal(self._cache_rows[:keep], ctx_hidden[:keep]):
-            self.reset_cache()
-            keep = 0
-        if self._cache_len > keep:  # rolled back: keep the matching prefix
-            self._cache_kv = [(k[:, :, :keep], v[:, :, :keep]) for k, v in self._cache_kv]
-            self._cache_rows = self._cache_rows[:keep]
-            self._cache_len = keep
-        if self._cache_len < N:
-            new = ctx_hidden[self._cache_len:N]
-            ctx = self.fuse_context(new).unsqueeze(0)  # [1, n_new, d]
-            pos = torch.arange(self._cache_len, N, device=ctx.device).unsqueeze(0)
-            fresh = self.context_kv(ctx, pos)
-            if self._cache_kv is None:
-                self._cache_kv = fresh
-            else:
-                self._cache_kv = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
-                                  for (k0, v0), (k1, v1) in zip(self._cache_kv, fresh, strict=True)]
-            self._cache_len = N
-            self._cache_rows = ctx_hidden[:N].clone()
-        return self._cache_kv
+    def new_context(self) -> DraftContext:
+        """An empty per-request context store for `extend_context` / `draft`."""
+        c = self.config
+        return DraftContext(len(self.layers), c.num_key_value_heads, c.head_dim, self.fc.weight.dtype,
+                            self.fc.weight.device)
 
     @torch.no_grad()
-    def draft_block(self, ctx_hidden: torch.Tensor, anchor_token: int, anchor_pos: int,
-                    temperature: float = 1.0, generator: torch.Generator | None = None) -> DraftBlock:
-        """Propose γ tokens after the anchor, left to right with the Markov bias.
+    def extend_context(self, context: DraftContext, features: list[torch.Tensor | None]) -> None:
+        """Append target features [n_r, m·d] (positions lengths[r]..) to row r, all rows in one pass."""
+        device = self.fc.weight.device
+        rows = [(r, f) for r, f in enumerate(features) if f is not None and f.shape[0] > 0]
+        if not rows:
+            return
+        new = torch.cat([f.to(device) for _r, f in rows])  # [N, m·d]
+        pos = torch.cat([torch.arange(context.lengths[r], context.lengths[r] + f.shape[0], device=device)
+                         for r, f in rows])
+        fresh = self.context_kv(self.fuse_context(new).unsqueeze(0), pos.unsqueeze(0))  # [1, Hkv, N, D]
+        start = 0
+        for r, f in rows:
+            end = start + f.shape[0]
+            context.write(r, [(k[0, :, start:end], v[0, :, start:end]) for k, v in fresh])
+            start = end
 
-        ctx_hidden [N, m·d] holds the target features of positions 0..anchor_pos-1. temperature 0
-        is greedy (probs one-hot at the argmax).
+    @torch.no_grad()
+    def draft(self, context: DraftContext, anchor_tokens: torch.Tensor, temperature: float = 1.0,
+              generator: torch.Generator | None = None, top_k: int = 0,
+              lap: Callable[[str], None] | None = None) -> DraftBatch:
+        """Propose γ tokens after each row's anchor (anchor_tokens [R]), left to right.
+
+        One backbone pass for every row, then γ sequential head steps on all rows at once. With
+        top_k > 0 the Markov bias is added to the k best base logits only, and the draft
+        distribution IS the softmax over those k (zero elsewhere): exact for rejection sampling,
+        and W2 is read for k rows instead of V. temperature 0 is greedy. `lap(phase)` is called
+        after the backbone and after the head loop (timing).
         """
         device = self.fc.weight.device
-        ctx_hidden = ctx_hidden.to(device)
-        if ctx_hidden.shape[0] == 0:
-            empty = torch.zeros(1, self.config.num_key_value_heads, 0, self.config.head_dim, device=device,
-                                dtype=self.fc.weight.dtype)
-            ctx_kv = [(empty, empty) for _ in range(len(self.layers))]
+        R, n_in = anchor_tokens.shape[0], self.config.block_inputs
+        anchor_tokens = anchor_tokens.to(device)
+        ids = self.block_inputs(anchor_tokens)  # [R, n_in]
+        pos = (torch.tensor(context.lengths, device=device)[:, None]
+               + torch.arange(n_in, device=device)[None])  # anchor_pos = context length
+        hidden = self.backbone(ids, pos, context.layer_kv(), context.mask(n_in))
+        hidden = self.draft_slots(hidden)  # [R, γ, d]
+        base = self.lm_head(hidden.to(self.lm_head.weight.dtype))  # [R, γ, V]
+        vocab = base.shape[-1]
+        if 0 < top_k < vocab:
+            base, support = base.topk(top_k, dim=-1)  # [R, γ, K]
         else:
-            ctx_kv = self._cached_context_kv(ctx_hidden)
-        ids = self.block_inputs(torch.tensor([anchor_token], device=device))  # [1, n_in]
-        pos = anchor_pos + torch.arange(self.config.block_inputs, device=device).unsqueeze(0)
-        hidden = self.draft_slots(self.backbone(ids, pos, ctx_kv, None))[0]  # [γ, d]
-        base_logits = self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()  # [γ, V]
-        tokens, probs, confs = [], [], []
-        prev = torch.tensor([anchor_token], device=device)
-        state = None
+            support = torch.arange(vocab, device=device).expand(base.shape)
+        base = base.float()
+        if lap:
+            lap("draft_backbone")
+        tokens, probs, index, confs = [], [], [], []
+        prev, state = anchor_tokens, None
+        rows = torch.arange(R, device=device)
         for k in range(self.block_size):
-            logits = base_logits[k]
+            logits = base[:, k]  # [R, K]
             prev_embed = None
             if self.markov_head is not None:
-                z, state = self.markov_head.step(prev, hidden[k:k + 1], state)
-                logits = logits + self.markov_head.bias(z)[0].float()
+                z, state = self.markov_head.step(prev, hidden[:, k], state)  # [R, r]
+                logits = logits + self._markov_bias(z, support[:, k], full=top_k <= 0 or top_k >= vocab)
                 prev_embed = self.markov_head.embed_prev(prev)
             if self.confidence_head is not None:
-                confs.append(torch.sigmoid(self.confidence_head(hidden[k:k + 1], prev_embed)).float()[0])
+                confs.append(torch.sigmoid(self.confidence_head(hidden[:, k], prev_embed)).float())
             if temperature <= 0:
-                token = logits.argmax()
-                p = F.one_hot(token, logits.shape[-1]).float()
+                choice = logits.argmax(-1)  # [R]
+                p = F.one_hot(choice, logits.shape[-1]).float()
             else:
                 p = torch.softmax(logits / temperature, dim=-1)
-                token = draw(p, generator)
-            tokens.append(token)
+                choice = draw(p, generator)
+            prev = support[rows, k, choice]
+            tokens.append(prev)
             probs.append(p)
-            prev = token.view(1)
-        return DraftBlock(tokens=torch.stack(tokens).long(), probs=torch.stack(probs).float(),
-                          confidences=torch.stack(confs) if confs else None)
+            index.append(choice)
+        if lap:
+            lap("draft_heads")
+        dist = DraftDist(torch.stack(tokens, 1), support, torch.stack(probs, 1), torch.stack(index, 1))
+        return DraftBatch(dist, torch.stack(confs, 1) if confs else None)
+
+    def _markov_bias(self, z: torch.Tensor, support: torch.Tensor, full: bool) -> torch.Tensor:
+        """W2·z on the candidates only: z [R, r], support [R, K] → float32 [R, K]."""
+        if full:
+            return self.markov_head.bias(z).float()
+        w2 = self.markov_head.markov_w2.weight[support]  # [R, K, r]
+        return torch.bmm(w2, z.to(w2.dtype).unsqueeze(-1)).squeeze(-1).float()
+
+    def draft_block(self, ctx_hidden: torch.Tensor, anchor_token: int, anchor_pos: int,
+                    temperature: float = 1.0, generator: torch.Generator | None = None,
+                    top_k: int = 0) -> DraftBlock:
+        """One sequence, no state kept: ctx_hidden [anchor_pos, m·d] are the features before the anchor."""
+        if ctx_hidden.shape[0] != anchor_pos:
+            raise ValueError(f"ctx_hidden has {ctx_hidden.shape[0]} rows; the anchor at {anchor_pos} needs "
+                             f"one per position before it.")
+        context = self.new_context()
+        context.add_row()
+        self.extend_context(context, [ctx_hidden])
+        out = self.draft(context, torch.tensor([anchor_token]), temperature, generator, top_k)
+        d = out.dist
+        probs = d.dense_row(torch.zeros(self.block_size, dtype=torch.long),
+                            torch.arange(self.block_size), self.config.vocab_size)
+        return DraftBlock(d.tokens[0], probs, out.confidences[0] if out.confidences is not None else None)
 
     # ---- weights -----------------------------------------------------------------------------
 
