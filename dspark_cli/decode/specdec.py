@@ -1,15 +1,17 @@
 """Speculative decoding with a real target (Transformers, KV cache) and a DSpark drafter.
 
-One round per active request: the anchor (last emitted token) and the target features of every
-position before it go to `drafter.draft_block`; the scheduler picks how many drafted tokens ℓ each
-request verifies (jointly for the R requests of a round); one target pass over
-[anchor, d_1..d_ℓ] gives ℓ + 1 distributions; `sampling.verify` accepts a prefix and emits a
-correction or bonus token; the KV cache is cropped to the accepted prefix and the features of the
-anchor and accepted tokens (captured by that same pass) extend the drafter's context.
+A round covers the R requests in flight at once: one drafter pass proposes γ tokens after every
+request's anchor (the last emitted token), from the target features of the positions before it;
+the scheduler picks how many drafted tokens ℓ_r each request verifies, jointly from all R
+requests' confidences; one target forward over [anchor, d_1..d_ℓ] of every row (ragged: padded,
+masked, per-row positions; decode/batch.py) gives the ℓ_r + 1 distributions; `verify_rounds`
+accepts a prefix per row and emits a correction or bonus token; each row keeps the anchor and the
+accepted tokens in the cache, and their features (captured by that same pass) extend the
+drafter's context. So the SPS the scheduler assumes is the SPS this loop runs at.
 
-Batched rounds are simulated: the R verification passes run one after the other on this device,
-but every scheduling decision is made jointly per round, from all R requests' confidences, which
-is what the scheduler's correctness and Θ = τ·SPS(B) depend on.
+Each phase is timed (`DecodeStats.phases`, seconds): prefill, draft_context (new context rows),
+draft_backbone (backbone, lm_head, top-k), draft_heads (the γ Markov/confidence/sampling steps),
+verify (the target forward and its lm_head), and what is outside both: schedule and accept.
 """
 
 from __future__ import annotations
@@ -21,13 +23,17 @@ from typing import Any
 
 import torch
 
-from ..target.capture import cache_kwarg, capture_step, new_cache
+from ..target.capture import cache_kwarg, new_cache
 from ..target.chat import render_prompt, stop_ids
+from .batch import TargetBatch
 from .calibrate import apply_temperatures
 from .prompts import Conversation
-from .sampling import probs_from_logits, sample, verify
+from .sampling import probs_from_logits, sample, verify_rounds
 from .scheduler import Scheduler, expected_throughput
-from .sps import crop_cache
+
+#: Candidates the Markov bias is applied to per slot (0 = the whole vocabulary); see
+#: DSparkDrafter.draft. docs/eval.md measures the cost and the acceptance of each choice.
+DEFAULT_DRAFT_TOP_K = 64
 
 
 @dataclass
@@ -61,50 +67,32 @@ class DecodeStats:
     seconds: float = 0.0
     turns: int = 0
     answers: dict[str, list[str]] = field(default_factory=dict)  # conversation id → answers
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase (module doc)
 
 
-class TargetState:
-    """One sequence on the target: token ids, KV cache (everything before the anchor), features."""
+class Stopwatch:
+    """Charges the time since the last lap to a phase; syncs CUDA so a phase pays its own kernels."""
 
-    def __init__(self, model: Any, layers: list[int], prompt_ids: list[int], temperature: float,
-                 generator: torch.Generator) -> None:
-        self.model, self.layers, self.temperature, self.gen = model, layers, temperature, generator
-        self.lm_head = model.get_output_embeddings()
-        cap = capture_step(model, prompt_ids, layers)
-        self.cache = cap.past_key_values
-        self.features = cap.hidden.to(torch.bfloat16)  # [n, m*d]: positions 0..n-1, stored as in the cache
-        first = sample(self._probs(cap.final[-1:])[0], generator)
-        self.ids = [*prompt_ids, first]
+    def __init__(self, device: torch.device, phases: dict[str, float]) -> None:
+        self.device, self.phases = device, phases
+        self.last = time.perf_counter()
 
-    @property
-    def anchor_pos(self) -> int:
-        return len(self.ids) - 1
-
-    def _probs(self, final: torch.Tensor) -> torch.Tensor:
-        """Final normed states [t, d] → float32 target distributions [t, V] on the CPU."""
-        return probs_from_logits(self.lm_head(final).float().cpu(), self.temperature)
-
-    def verify_pass(self, drafted: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed [anchor, drafted…]; return target probs [ℓ+1, V] and their features [ℓ+1, m*d]."""
-        cap = capture_step(self.model, [self.ids[-1], *drafted], self.layers, self.cache)
-        return self._probs(cap.final), cap.hidden.to(torch.bfloat16)
-
-    def commit(self, accepted: list[int], next_token: int, hidden: torch.Tensor) -> None:
-        """Keep the anchor + accepted tokens in the cache and features; append the new tokens."""
-        keep = len(accepted) + 1  # anchor and accepted drafted tokens now lie before the new anchor
-        crop_cache(self.cache, self.anchor_pos + keep)
-        self.features = torch.cat([self.features, hidden[:keep]], dim=0)
-        self.ids.extend([*accepted, next_token])
+    def lap(self, phase: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self.last
+        self.last = now
 
 
 @dataclass
-class _Slot:
-    """A request in flight: its conversation, which turn, and the target state of that turn."""
+class _Request:
+    """A request in flight: its conversation, which turn, its token ids (prompt + generated)."""
 
     conv: Conversation
     turn: int
     messages: list[dict[str, str]]
-    state: TargetState
+    ids: list[int]
     prompt_len: int
     answers: list[str] = field(default_factory=list)
 
@@ -114,15 +102,17 @@ class SpeculativeDecoder:
 
     def __init__(self, model: Any, tokenizer: Any, drafter: Any, scheduler: Scheduler, *,
                  temperature: float = 1.0, max_new_tokens: int = 256, thinking: bool = False,
-                 temperatures: list[float] | None = None, seed: int = 0) -> None:
+                 temperatures: list[float] | None = None, seed: int = 0,
+                 draft_top_k: int = DEFAULT_DRAFT_TOP_K) -> None:
         self.model, self.tokenizer, self.drafter, self.scheduler = model, tokenizer, drafter, scheduler
         self.temperature, self.max_new_tokens, self.thinking = temperature, max_new_tokens, thinking
         self.calibration = temperatures
         self.layers = list(drafter.config.target_layer_ids)
         self.gamma = int(drafter.block_size)
         self.stop = stop_ids(tokenizer, model)
-        self.seed = seed
-        self._drafting: TargetState | None = None
+        self.seed, self.draft_top_k = seed, draft_top_k
+        self.lm_head = model.get_output_embeddings()
+        self.device = next(model.parameters()).device
         if temperatures is not None and len(temperatures) != self.gamma:
             from ..errors import DsparkError
 
@@ -130,32 +120,64 @@ class SpeculativeDecoder:
                               f"γ = {self.gamma} tokens.",
                               hint="calibrate this drafter with `dspark calibrate`.")
 
-    # ---- one conversation turn -----------------------------------------------------------------
+    # ---- requests ------------------------------------------------------------------------------
 
-    def _open(self, conv: Conversation, turn: int, messages: list[dict[str, str]], gen: torch.Generator,
-              answers: list[str]) -> _Slot:
-        messages = [*messages, {"role": "user", "content": conv.turns[turn]}]
-        ids = render_prompt(self.tokenizer, messages, self.thinking)
-        return _Slot(conv, turn, messages, TargetState(self.model, self.layers, ids, self.temperature, gen),
-                     len(ids), answers)
+    def _generated(self, req: _Request) -> list[int]:
+        return req.ids[req.prompt_len:]
 
-    def _generated(self, slot: _Slot) -> list[int]:
-        return slot.state.ids[slot.prompt_len:]
-
-    def _finished(self, slot: _Slot) -> bool:
-        out = self._generated(slot)
+    def _finished(self, req: _Request) -> bool:
+        out = self._generated(req)
         return len(out) >= self.max_new_tokens or any(t in self.stop for t in out)
 
-    def _answer_ids(self, slot: _Slot, keep_stop: bool = False) -> list[int]:
+    def _answer_ids(self, req: _Request, keep_stop: bool = False) -> list[int]:
         """Generated ids up to the first stop token (included when keep_stop) or max_new_tokens."""
-        out = self._generated(slot)[: self.max_new_tokens]
+        out = self._generated(req)[: self.max_new_tokens]
         for i, t in enumerate(out):
             if t in self.stop:
                 return out[: i + 1] if keep_stop else out[:i]
         return out
 
-    def _answer_text(self, slot: _Slot) -> str:
-        return self.tokenizer.decode(self._answer_ids(slot), skip_special_tokens=True)
+    def _answer_text(self, req: _Request) -> str:
+        return self.tokenizer.decode(self._answer_ids(req), skip_special_tokens=True)
+
+    def _join(self, conv: Conversation, turn: int, history: list[dict[str, str]],
+              answers: list[str]) -> None:
+        """Prefill a turn as a new last row of the target batch and the drafter context."""
+        messages = [*history, {"role": "user", "content": conv.turns[turn]}]
+        ids = render_prompt(self.tokenizer, messages, self.thinking)
+        hidden, final = self._batch.add(ids)
+        first = sample(probs_from_logits(self.lm_head(final[-1:]), self.temperature)[0], self._gen)
+        self._context.add_row()
+        self._requests.append(_Request(conv, turn, messages, [*ids, first], len(ids), answers))
+        self.drafter.extend_context(self._context, [None] * (self._context.rows - 1)
+                                    + [hidden.to(torch.bfloat16)])  # stored as the cache stores them
+
+    def _fill_and_retire(self, pending: list[Conversation], concurrency: int, stats: DecodeStats,
+                         on_turn: Callable[[int], None] | None) -> None:
+        """Start conversations while there is room; retire finished turns (their next turn joins)."""
+        while True:
+            while pending and len(self._requests) < concurrency:
+                conv = pending.pop(0)
+                self._join(conv, 0, [{"role": "system", "content": conv.system}] if conv.system else [], [])
+            done = [r for r in self._requests if self._finished(r)]  # a prefill can already end a turn
+            if not done:
+                return
+            keep = [i for i, r in enumerate(self._requests) if not self._finished(r)]
+            self._requests = [self._requests[i] for i in keep]
+            self._batch.keep(keep)
+            self._context.keep(keep)
+            for req in done:
+                stats.new_tokens += len(self._answer_ids(req, keep_stop=True))
+                stats.turns += 1
+                answer = self._answer_text(req)
+                answers = [*req.answers, answer]
+                if on_turn:
+                    on_turn(1)
+                if req.turn + 1 < len(req.conv.turns):
+                    self._join(req.conv, req.turn + 1,
+                               [*req.messages, {"role": "assistant", "content": answer}], answers)
+                else:
+                    stats.answers[req.conv.id] = answers
 
     # ---- the batched loop ----------------------------------------------------------------------
 
@@ -164,69 +186,62 @@ class SpeculativeDecoder:
             on_turn: Callable[[int], None] | None = None) -> DecodeStats:
         """Decode every turn of every conversation, `concurrency` requests per round."""
         stats = DecodeStats(gamma=self.gamma)
-        gen = torch.Generator().manual_seed(self.seed)
-        draft_gen = torch.Generator(device=next(self.drafter.parameters()).device).manual_seed(self.seed + 1)
+        self._gen = torch.Generator(device=self.device).manual_seed(self.seed)
+        drafter_device = next(self.drafter.parameters()).device
+        self._draft_gen = torch.Generator(device=drafter_device).manual_seed(self.seed + 1)
+        self._batch = TargetBatch(self.model, self.layers)
+        self._context = self.drafter.new_context()
+        self._requests: list[_Request] = []
         pending = list(conversations)
-        slots: list[_Slot] = []
+        watch = Stopwatch(self.device, stats.phases)
         t0 = time.perf_counter()
-        while pending or slots:
-            while pending and len(slots) < concurrency:
-                conv = pending.pop(0)
-                system = [{"role": "system", "content": conv.system}] if conv.system else []
-                slots.append(self._open(conv, 0, system, gen, []))
-            self._round(slots, stats, gen, draft_gen)
-            for slot in [s for s in slots if self._finished(s)]:
-                slots.remove(slot)
-                stats.new_tokens += len(self._answer_ids(slot, keep_stop=True))
-                stats.turns += 1
-                answer = self._answer_text(slot)
-                answers = [*slot.answers, answer]
-                if on_turn:
-                    on_turn(1)
-                if slot.turn + 1 < len(slot.conv.turns):
-                    history = [*slot.messages, {"role": "assistant", "content": answer}]
-                    slots.append(self._open(slot.conv, slot.turn + 1, history, gen, answers))
-                else:
-                    stats.answers[slot.conv.id] = answers
+        while True:
+            self._fill_and_retire(pending, concurrency, stats, on_turn)
+            watch.lap("prefill")
+            if not self._requests:
+                break
+            self._round(stats, watch)
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    def _round(self, slots: list[_Slot], stats: DecodeStats, gen: torch.Generator,
-               draft_gen: torch.Generator) -> None:
-        active = [s for s in slots if not self._finished(s)]  # a prefill can already end a turn
-        if not active:
-            return
-        blocks = []
-        for slot in active:
-            st = slot.state
-            if self._drafting is not st:
-                # The drafter caches one sequence's fused context; a different sequence (another
-                # request, or the next turn) must not reuse it, even when its first token matches.
-                self.drafter.reset_cache()
-                self._drafting = st
-            blocks.append(self.drafter.draft_block(st.features, st.ids[-1], st.anchor_pos,
-                                                   temperature=self.temperature, generator=draft_gen))
-        raw = [b.confidences.float().cpu().tolist() if b.confidences is not None else None for b in blocks]
+    def _round(self, stats: DecodeStats, watch: Stopwatch) -> None:
+        requests = self._requests
+        anchors = torch.tensor([r.ids[-1] for r in requests])
+        block = self.drafter.draft(self._context, anchors, self.temperature, self._draft_gen,
+                                   self.draft_top_k, lap=watch.lap)
+        raw = block.confidences.tolist() if block.confidences is not None else None
         calibrated = None
-        if all(r is not None for r in raw):
+        if raw is not None:
             calibrated = [apply_temperatures(r, self.calibration) if self.calibration else r for r in raw]
         # Emitting ℓ + 1 tokens must not pass max_new_tokens.
-        room = [max(0, self.max_new_tokens - len(self._generated(s)) - 1) for s in active]
+        room = [max(0, self.max_new_tokens - len(self._generated(r)) - 1) for r in requests]
         lengths = self.scheduler.schedule(calibrated, room)
+        drafted = block.dist.tokens.tolist()
+        watch.lap("schedule")
+        inputs = [[r.ids[-1], *d[:n]] for r, d, n in zip(requests, drafted, lengths, strict=True)]
+        hidden, final = self._batch.forward(inputs, [len(r.ids) - 1 for r in requests])
+        logits = self.lm_head(final)  # [R, q, V] where the target runs: nothing vocabulary-wide is copied
+        watch.lap("verify")
+        accepted, next_token = verify_rounds(block.dist, logits, torch.tensor(lengths), self.temperature,
+                                             self._gen)
+        accepted, next_token = accepted.tolist(), next_token.tolist()
+        keep = [a + 1 for a in accepted]  # the anchor and the accepted tokens now lie before the new anchor
+        self._batch.commit(keep)
         emitted = 0
-        for slot, block, n, conf in zip(active, blocks, lengths, raw, strict=True):
-            drafted = block.tokens[:n].cpu()
-            target_probs, hidden = slot.state.verify_pass(drafted.tolist())
-            verdict = verify(block.tokens.cpu(), block.probs.cpu(), target_probs, n, gen,
-                             greedy=self.temperature <= 0)
-            slot.state.commit(drafted[: verdict.accepted].tolist(), verdict.next_token, hidden)
-            stats.rounds.append(RoundLog(n, verdict.accepted, conf))
-            emitted += verdict.accepted + 1
+        for req, d, n, a, t, conf in zip(requests, drafted, lengths, accepted, next_token,
+                                         raw or [None] * len(requests), strict=True):
+            req.ids.extend([*d[:a], t])
+            stats.rounds.append(RoundLog(n, a, conf))
+            emitted += a + 1
+        watch.lap("accept")
+        kept = [hidden[i, :k].to(torch.bfloat16) for i, k in enumerate(keep)]  # stored as the cache does
+        self.drafter.extend_context(self._context, kept)
+        watch.lap("draft_context")
         batch_tokens = sum(1 + n for n in lengths)
         expected = None
         if calibrated is not None:
             expected = expected_throughput(calibrated, lengths, self.scheduler.sps)[0]
-        stats.batches.append(BatchRound(len(active), batch_tokens, emitted, expected,
+        stats.batches.append(BatchRound(len(requests), batch_tokens, emitted, expected,
                                         emitted * self.scheduler.sps(batch_tokens)))
 
 
@@ -235,9 +250,9 @@ def target_only(model: Any, tokenizer: Any, conversations: list[Conversation], *
                 max_new_tokens: int, thinking: bool, seed: int = 0) -> DecodeStats:
     """Plain autoregressive decoding of the same prompts: the tokens/s baseline."""
     stats = DecodeStats(gamma=0)
-    gen = torch.Generator().manual_seed(seed)
-    stop = stop_ids(tokenizer, model)
     device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    stop = stop_ids(tokenizer, model)
     cache_kw = cache_kwarg(model)
     t0 = time.perf_counter()
     for conv in conversations:
@@ -250,7 +265,7 @@ def target_only(model: Any, tokenizer: Any, conversations: list[Conversation], *
             out_ids: list[int] = []
             while len(out_ids) < max_new_tokens:
                 logits = model(input_ids=ids, use_cache=True, **{cache_kw: cache}).logits[0, -1]
-                token = sample(probs_from_logits(logits.float().cpu(), temperature), gen)
+                token = sample(probs_from_logits(logits, temperature), gen)
                 out_ids.append(token)
                 if token in stop:
                     break

@@ -54,7 +54,7 @@ class Capture:
 @torch.inference_mode()
 def capture_batch(model: Any, input_ids: torch.Tensor, layers: list[int],
                   attention_mask: torch.Tensor | None = None, past_key_values: Any = None,
-                  use_cache: bool = False) -> Capture:
+                  use_cache: bool = False, position_ids: torch.Tensor | None = None) -> Capture:
     """Forward a [B, T] batch; return the requested layers concatenated and the final normed state.
 
     Bit-exact against a single-sequence forward only for unpadded batches (equal lengths): padding
@@ -66,6 +66,8 @@ def capture_batch(model: Any, input_ids: torch.Tensor, layers: list[int],
                               "output_hidden_states": True}
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask.to(device)
+    if position_ids is not None:  # ragged rows (batched decoding): each row's own positions
+        kwargs["position_ids"] = position_ids.to(device)
     if past_key_values is not None:
         kwargs[cache_kwarg(base)] = past_key_values
     out = base(**kwargs)
