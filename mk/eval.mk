@@ -1,6 +1,6 @@
 # Eval stage (docs/eval.md): losslessness audit, STS, SPS of SmolLM2-135M on this machine, and —
 # once `make demo` has trained a drafter — speculative decoding under each schedule.
-.PHONY: bench-eval audit test-eval bench-calibration
+.PHONY: bench-eval bench-decode audit test-eval bench-calibration
 
 ## Audit p-values + synthetic STS + SPS(B) of SmolLM2 (+ decoding when the demo drafter exists).
 bench-eval: demo-model
@@ -13,8 +13,18 @@ audit: install
 ## Only the eval-stage tests.
 test-eval: install
 	$(BIN)/python -m pytest -q tests/test_decode_sampling.py tests/test_scheduler.py tests/test_calibrate.py \
-		tests/test_audit.py tests/test_eval_e2e.py
+		tests/test_audit.py tests/test_eval_e2e.py tests/test_decode_batch.py
 
 ## STS vs a per-position offset (Platt) on the bench-quality DSpark drafter's calibration rounds.
 bench-calibration: demo-model
 	$(BIN)/python benchmarks/bench_calibration.py
+
+## Decode speed on the demo's target and drafter (issue 16): t₁…t₈, draft/verify split, c, τ,
+## speed-up vs predicted, SPS(B) of the batched forward and the measured Figure 8 (a few minutes
+## once the demo exists). Builds the demo first when its drafter is missing.
+DEMO_WORK := runs/smollm2-135m-dspark
+bench-decode: demo-model
+	test -f $(DEMO_WORK)/train/manifest.json -a -f $(DEMO_WORK)/calibration/manifest.json || \
+		$(BIN)/dspark pipeline run pipelines/smollm2-135m.toml --stages prepare,regen,cache,train,calibrate
+	$(BIN)/python benchmarks/bench_decode.py --drafter $(DEMO_WORK)/train \
+		--calibration $(DEMO_WORK)/calibration/calibration.json

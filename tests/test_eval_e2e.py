@@ -18,6 +18,7 @@ from dspark_cli.config import load_config
 from dspark_cli.decode.prompts import Conversation, load_conversations
 from dspark_cli.decode.scheduler import Scheduler
 from dspark_cli.decode.specdec import DecodeStats, SpeculativeDecoder, target_only
+from dspark_cli.decode.sps import SpsTable
 from dspark_cli.decode.stages import run_calibrate, run_eval
 from dspark_cli.errors import DsparkError
 from dspark_cli.model.export import load_drafter
@@ -50,19 +51,25 @@ def _cfg(target: Path, out: Path, *sets: str):
     return load_config(None, [*drafter_settings(target, mask_token_id(target), str(out)), *sets])
 
 
-@pytest.mark.parametrize(("schedule", "concurrency"), [("fixed", 1), ("algorithm1", 2), ("async", 3)])
-def test_greedy_speculative_output_equals_target_only(models, schedule, concurrency):
-    """At temperature 0 speculative decoding must reproduce the target's own greedy text exactly."""
+@pytest.mark.parametrize(("schedule", "concurrency", "top_k"),
+                         [("fixed", 1, 64), ("fixed", 3, 0), ("threshold", 2, 64), ("algorithm1", 3, 64),
+                          ("async", 3, 8)])
+def test_greedy_speculative_output_equals_target_only(models, schedule, concurrency, top_k):
+    """At temperature 0 speculative decoding must reproduce the target's own greedy text exactly,
+    whatever the schedule, the number of requests batched per round and the drafter's top-k."""
     model, tokenizer, drafter = models
     base = target_only(model, tokenizer, CONVS, temperature=0.0, max_new_tokens=24, thinking=False)
-    decoder = SpeculativeDecoder(model, tokenizer, drafter, Scheduler(schedule, drafter.block_size),
-                                 temperature=0.0, max_new_tokens=24)
+    sps = SpsTable([1, 4, 8, 16], [100.0, 95.0, 60.0, 30.0])
+    decoder = SpeculativeDecoder(model, tokenizer, drafter, Scheduler(schedule, drafter.block_size, sps),
+                                 temperature=0.0, max_new_tokens=24, draft_top_k=top_k)
     spec = decoder.run(CONVS, concurrency)
     assert spec.answers == base.answers
     assert spec.new_tokens == base.new_tokens and spec.turns == 4
     assert sum(r.accepted for r in spec.rounds) > 0  # the drafter did contribute tokens
     # Every round emits accepted + 1 tokens: the rounds account for every generated token.
     assert sum(r.accepted + 1 for r in spec.rounds) + spec.turns >= spec.new_tokens
+    # Rounds really were batched: as many requests per round as were in flight.
+    assert max(b.requests for b in spec.batches) == min(concurrency, len(CONVS))
 
 
 def test_trained_drafter_is_accepted_more_than_untrained(models, tiny_qwen3_target):
@@ -280,21 +287,27 @@ def test_scheduler_table_only_when_there_is_a_schedule_to_show():
 
 def test_incremental_features_and_cache_match_a_full_forward_after_rejections(models):
     """At T=1 (rejections, corrections, bonus tokens) the drafter's context stays exactly what a
-    fresh forward over the accepted sequence gives, and the KV cache holds every position before
-    the anchor."""
+    fresh pass over the accepted sequence's features gives, and the KV cache holds every position
+    before the anchor."""
+    from dspark_cli.decode.specdec import Stopwatch
     from dspark_cli.target.capture import capture_layers
 
     model, tokenizer, drafter = models
     decoder = SpeculativeDecoder(model, tokenizer, drafter, Scheduler("fixed", drafter.block_size),
                                  temperature=1.0, max_new_tokens=40, seed=3)
-    gen = torch.Generator().manual_seed(3)
-    slot = decoder._open(CONVS[0], 0, [], gen, [])
+    decoder._start()
+    decoder._join(CONVS[0], 0, [], [])
     stats = DecodeStats(gamma=drafter.block_size)
-    draft_gen = torch.Generator().manual_seed(4)
-    while not decoder._finished(slot):
-        decoder._round([slot], stats, gen, draft_gen)
-    state = slot.state
+    (req,) = decoder._requests
+    while not decoder._finished(req):
+        decoder._round(stats, Stopwatch(torch.device("cpu"), stats.phases))
     assert any(r.accepted < r.verified for r in stats.rounds)  # rejections happened
-    assert state.cache.get_seq_length() == len(state.ids) - 1 == state.features.shape[0]
-    full, _final = capture_layers(model, state.ids[:-1], drafter.config.target_layer_ids)
-    torch.testing.assert_close(state.features.float(), full.to(torch.bfloat16).float(), atol=2e-2, rtol=2e-2)
+    n = len(req.ids) - 1
+    assert decoder._batch.cache.get_seq_length() == n == decoder._context.lengths[0]
+    full, _final = capture_layers(model, req.ids[:-1], drafter.config.target_layer_ids)
+    fresh = drafter.new_context()
+    fresh.add_row()
+    drafter.extend_context(fresh, [full.to(torch.bfloat16)])
+    for mine, theirs in zip(decoder._context.layer_kv(), fresh.layer_kv(), strict=True):
+        torch.testing.assert_close(mine[0], theirs[0], atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(mine[1], theirs[1], atol=3e-2, rtol=3e-2)

@@ -52,6 +52,8 @@ def eval_cmd(
     threshold: Annotated[float | None, typer.Option(help="Cut of the threshold schedule.")] = None,
     sps: Annotated[str | None, typer.Option(help="SPS table JSON from `dspark profile`.")] = None,
     calibration: Annotated[str | None, typer.Option(help="STS JSON from `dspark calibrate`.")] = None,
+    draft_top_k: Annotated[int | None, typer.Option(
+        help="Drafter candidates per slot for the Markov bias (0: whole vocabulary; default 64).")] = None,
     baseline: Annotated[bool | None, typer.Option(
         "--baseline/--no-baseline", help="Also decode with the target alone (tokens/s).")] = None,
 ) -> None:
@@ -65,7 +67,7 @@ def eval_cmd(
         "datasets": dataset, "drafter": drafter, "limit": limit, "max_new_tokens": max_new_tokens,
         "temperature": temperature, "thinking": thinking, "schedule": schedule, "concurrency": concurrency,
         "concurrency_sweep": _csv_ints(concurrency_sweep), "threshold": threshold, "sps": sps,
-        "calibration": calibration, "baseline": baseline})
+        "calibration": calibration, "baseline": baseline, "draft_top_k": draft_top_k})
     output = output or cfg.stage_url("eval")
     drafter_url = cfg.eval.drafter or cfg.stage_url("train")
     console.print(f"[cyan]▶[/] eval: {drafter_url} on {cfg.target.model} → {output}")

@@ -2,6 +2,9 @@
 
     dspark profile --target runs/x/target --batch-tokens 1,2,4,8,16,32,64 -o runs/x/profile
 
+B tokens are timed as the decoder verifies them: ⌈B / --tokens-per-row⌉ requests in one batched
+forward (padded, masked, per-row positions), each over a cached context of --context-length.
+
 Writes sps.json (the SPS table `dspark eval --sps` reads) and sps.png.
 """
 
@@ -27,6 +30,8 @@ def profile_cmd(
         help="Comma list of B to measure (default 1,2,3,4,6,8,12,…,256).")] = None,
     context_length: Annotated[int, typer.Option(help="Cached context length each step attends to.")] = 128,
     repeats: Annotated[int, typer.Option(help="Timed repeats per B (the median is kept).")] = 5,
+    tokens_per_row: Annotated[int, typer.Option(
+        help="Tokens per request of a round (γ + 1): B is split over ⌈B / this⌉ requests.")] = 8,
     dtype: Annotated[str | None, typer.Option(help="bfloat16, float16 or float32 (target.dtype).")] = None,
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N (target.device).")] = None,
 ) -> None:
@@ -41,11 +46,12 @@ def profile_cmd(
         raise DsparkError(f"--batch-tokens {batch_tokens!r}: expected comma-separated integers.") from None
     if grid is not None and (not grid or min(grid) < 1):
         raise DsparkError(f"--batch-tokens {batch_tokens!r}: every B must be >= 1.")
-    if repeats < 1 or context_length < 1:
-        raise DsparkError("--repeats and --context-length must be >= 1.")
+    if repeats < 1 or context_length < 1 or tokens_per_row < 1:
+        raise DsparkError("--repeats, --context-length and --tokens-per-row must be >= 1.")
     output = output or cfg.stage_url("profile")
     console.print(f"[cyan]▶[/] profile: {cfg.target.model} → {output}")
-    table = run_profile(cfg, cfg.target.model, output, grid, context_length, repeats, force=force)
+    table = run_profile(cfg, cfg.target.model, output, grid, context_length, repeats, force=force,
+                        tokens_per_row=tokens_per_row)
     if table is None:
         console.print(f"[green]✓[/] profile: {output} is complete; nothing to do (use --force to rerun).")
         return

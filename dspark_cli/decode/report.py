@@ -106,7 +106,7 @@ def threshold_sweep(stats: DecodeStats, thresholds: list[float],
 
 
 def scheduler_summary(stats: DecodeStats, policy: str, concurrency: int) -> dict[str, Any]:
-    """Tokens verified per round, τ per request, modelled Θ and the budget per request (Fig. 8)."""
+    """Per round: tokens verified, τ per request, modelled Θ, measured tokens/s, budget (Fig. 8)."""
     batches = stats.batches
     n = max(len(batches), 1)
     request_rounds = sum(b.requests for b in batches) or 1
@@ -118,6 +118,7 @@ def scheduler_summary(stats: DecodeStats, policy: str, concurrency: int) -> dict
         "tau_per_request": sum(b.emitted for b in batches) / request_rounds,
         "theta": sum(b.theta for b in batches) / n,
         "budget_per_request": sum(b.batch_tokens - b.requests for b in batches) / request_rounds,
+        "tokens_per_second": stats.new_tokens / stats.seconds if stats.seconds > 0 else None,
     }
 
 
@@ -196,9 +197,12 @@ def render_scheduler_table(report: dict[str, Any]) -> Table | None:
         return None
     sps = f", SPS {report['sps']}" if report["sps"] else ""
     table = Table(title=f"scheduler: {report['schedule']}{sps}")
-    for col in ("dataset", "R", "rounds", "verified/round", "τ/request", "Θ = τ·SPS(B)", "budget/request"):
+    for col in ("dataset", "R", "rounds", "verified/round", "τ/request", "Θ = τ·SPS(B)", "tok/s measured",
+                "budget/request"):
         table.add_column(col, justify="left" if col == "dataset" else "right")
     for name, s in rows:
+        measured = s.get("tokens_per_second")  # reports before measured throughput lack it
         table.add_row(name, str(s["concurrency"]), str(s["rounds"]), f"{s['verified_per_round']:.2f}",
-                      f"{s['tau_per_request']:.2f}", f"{s['theta']:.2f}", f"{s['budget_per_request']:.2f}")
+                      f"{s['tau_per_request']:.2f}", f"{s['theta']:.2f}",
+                      "—" if measured is None else f"{measured:.1f}", f"{s['budget_per_request']:.2f}")
     return table

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..settings.eval import EvalSettings
 from ..target.capture import cache_kwarg, new_cache
 from ..target.chat import render_prompt, stop_ids
 from .batch import TargetBatch
@@ -33,7 +34,7 @@ from .scheduler import Scheduler, expected_throughput
 
 #: Candidates the Markov bias is applied to per slot (0 = the whole vocabulary); see
 #: DSparkDrafter.draft. docs/eval.md measures the cost and the acceptance of each choice.
-DEFAULT_DRAFT_TOP_K = 64
+DEFAULT_DRAFT_TOP_K = EvalSettings.draft_top_k
 
 
 @dataclass
@@ -181,17 +182,21 @@ class SpeculativeDecoder:
 
     # ---- the batched loop ----------------------------------------------------------------------
 
-    @torch.inference_mode()
-    def run(self, conversations: list[Conversation], concurrency: int = 1,
-            on_turn: Callable[[int], None] | None = None) -> DecodeStats:
-        """Decode every turn of every conversation, `concurrency` requests per round."""
-        stats = DecodeStats(gamma=self.gamma)
+    def _start(self) -> None:
+        """Fresh generators, an empty target batch and drafter context: every run starts alike."""
         self._gen = torch.Generator(device=self.device).manual_seed(self.seed)
         drafter_device = next(self.drafter.parameters()).device
         self._draft_gen = torch.Generator(device=drafter_device).manual_seed(self.seed + 1)
         self._batch = TargetBatch(self.model, self.layers)
         self._context = self.drafter.new_context()
         self._requests: list[_Request] = []
+
+    @torch.inference_mode()
+    def run(self, conversations: list[Conversation], concurrency: int = 1,
+            on_turn: Callable[[int], None] | None = None) -> DecodeStats:
+        """Decode every turn of every conversation, `concurrency` requests per round."""
+        stats = DecodeStats(gamma=self.gamma)
+        self._start()
         pending = list(conversations)
         watch = Stopwatch(self.device, stats.phases)
         t0 = time.perf_counter()

@@ -2,7 +2,8 @@
 
 The scheduler maximises Θ = τ · SPS(B), so it needs SPS at any B: the table stores measured points
 and `__call__` interpolates linearly between them (flat beyond the ends, since a table cannot say
-what happens outside what was measured). `profile_target` measures the points on this hardware.
+what happens outside what was measured). `profile_target` measures the points on this hardware
+with the decoder's own batched verification forward (decode/batch.py).
 
 The file is SGLang's `SpsCostTable` (`--speculative-dspark-sps-table-path`): `sample_batch_tokens`
 (strictly increasing), `sample_steps_per_sec`, `max_batch_tokens` (≥ the last probe), plus our
@@ -22,7 +23,6 @@ import torch
 from .. import storage
 from ..errors import DsparkError
 from ..schemas import validate
-from ..target.capture import cache_kwarg, new_cache
 
 SCHEMA = "sps_table"
 
@@ -101,43 +101,54 @@ def default_batch_grid(max_tokens: int = 256) -> list[int]:
     return sorted(x for x in grid if x <= max_tokens)
 
 
+def row_lengths(batch_tokens: int, tokens_per_row: int) -> list[int]:
+    """B tokens as the decoder lays them out: ⌈B / tokens_per_row⌉ requests, lengths within one."""
+    rows = -(-batch_tokens // tokens_per_row)
+    return [batch_tokens // rows + (1 if r < batch_tokens % rows else 0) for r in range(rows)]
+
+
 @torch.inference_mode()
 def profile_target(model: torch.nn.Module, batch_tokens: list[int], context_length: int = 128,
                    warmup: int = 2, repeats: int = 5, vocab_size: int | None = None,
-                   seed: int = 0) -> SpsTable:
-    """Time one verification step of B new tokens over a cached context of `context_length`.
+                   seed: int = 0, tokens_per_row: int = 8) -> SpsTable:
+    """Time one verification step of B tokens with the decoder's own batched forward.
 
-    B tokens are laid out as one sequence appended to the cache (what a single request verifying B
-    tokens costs; batched requests have the same token count through the same matmuls). The median
-    of `repeats` timings is kept; the cache is cropped back after every step so each sees the same
-    context.
+    B tokens go to ⌈B / tokens_per_row⌉ requests (8 = a γ = 7 round: anchor + 7 drafts), each
+    with a cached context of `context_length`, through `TargetBatch.forward` and the lm_head, as
+    a round of `dspark eval --concurrency R` runs them. The median of `repeats` timings is kept;
+    the new positions are dropped after every step so each sees the same context.
     """
+    from .batch import TargetBatch
+
+    if tokens_per_row < 1:
+        raise DsparkError(f"tokens_per_row must be >= 1, got {tokens_per_row}.")
     device = next(model.parameters()).device
     vocab = vocab_size or model.config.vocab_size
+    lm_head = model.get_output_embeddings()
     gen = torch.Generator().manual_seed(seed)
-    ctx = torch.randint(0, vocab, (1, context_length), generator=gen).to(device)
-    cache = new_cache(model.config)
-    kw = cache_kwarg(model)
-    model(input_ids=ctx, use_cache=True, **{kw: cache})
+    batch = TargetBatch(model, [0])
     sps: list[float] = []
-    for b in batch_tokens:
-        ids = torch.randint(0, vocab, (1, b), generator=gen).to(device)
-        pos = torch.arange(context_length, context_length + b, device=device)[None]
+    for b in sorted(batch_tokens):
+        lengths = row_lengths(b, tokens_per_row)
+        while batch.rows < len(lengths):  # B ascending: rows only ever get added
+            batch.add(torch.randint(0, vocab, (context_length,), generator=gen).tolist())
+        inputs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
         times = []
         for i in range(warmup + repeats):
             _sync(device)
             t0 = time.perf_counter()
-            model(input_ids=ids, position_ids=pos, use_cache=True, **{kw: cache})
+            _hidden, final = batch.forward(inputs, [context_length] * len(inputs))
+            lm_head(final)
             _sync(device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
-            crop_cache(cache, context_length)
+            batch.commit([0] * len(inputs))
         times.sort()
         sps.append(1.0 / times[len(times) // 2])
     meta = {"context_length": context_length, "repeats": repeats, "device": str(device),
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            "threads": torch.get_num_threads()}
-    return SpsTable(list(batch_tokens), sps, meta)
+            "threads": torch.get_num_threads(), "tokens_per_row": tokens_per_row}
+    return SpsTable(sorted(batch_tokens), sps, meta)
 
 
 def crop_cache(cache: object, length: int) -> None:

@@ -109,7 +109,7 @@ def run_eval(cfg: PipelineConfig, target: str, drafter_url: str, output_url: str
             scheduler = Scheduler(ev.schedule, drafter.block_size, sps, threshold=ev.threshold)
             decoder = SpeculativeDecoder(model, tokenizer, drafter, scheduler, temperature=ev.temperature,
                                          max_new_tokens=ev.max_new_tokens, thinking=ev.thinking,
-                                         temperatures=temps, seed=ev.seed)
+                                         temperatures=temps, seed=ev.seed, draft_top_k=ev.draft_top_k)
             return decoder.run(convs, concurrency)
 
         stats = decode(ev.concurrency)
@@ -213,18 +213,21 @@ def _finite(obj: Any) -> Any:
 # ---- profile ---------------------------------------------------------------------------------
 
 def run_profile(cfg: PipelineConfig, target: str, output_url: str, batch_tokens: list[int] | None = None,
-                context_length: int = 128, repeats: int = 5, force: bool = False) -> SpsTable | None:
+                context_length: int = 128, repeats: int = 5, force: bool = False,
+                tokens_per_row: int = 8) -> SpsTable | None:
     """Measure SPS(B) of the target on this hardware; write sps.json + sps.png."""
     grid = batch_tokens or default_batch_grid()
     config = {"target": {"dtype": cfg.target.dtype, "device": cfg.target.device},
-              "profile": {"batch_tokens": grid, "context_length": context_length, "repeats": repeats}}
+              "profile": {"batch_tokens": grid, "context_length": context_length, "repeats": repeats,
+                          "tokens_per_row": tokens_per_row}}
     inputs = {target: _target_input(cfg, target, output_url)}
     run = manifest.prepare_stage("profile", output_url, config, inputs, force)
     if run.state == "done":
         return None
     model = Target.from_settings(cfg.target, path=target).model
     run.claim()
-    table = profile_target(model, grid, context_length=context_length, repeats=repeats)
+    table = profile_target(model, grid, context_length=context_length, repeats=repeats,
+                           tokens_per_row=tokens_per_row)
     table.meta.update({"target": target, "torch": torch.__version__})
     table.save(storage.join(output_url, "sps.json"))
     plots.sps_plot(table.batch_tokens, table.steps_per_second, storage.join(output_url, "sps.png"),

@@ -37,6 +37,9 @@ class EvalSettings(Section):
     calibration: str = ""
     #: Also decode the prompts with the target alone, for the tokens/s comparison.
     baseline: bool = True
+    #: Candidates per slot the drafter's Markov bias is applied to; the draft distribution is the
+    #: softmax over them (exact for verification). 0 = the whole vocabulary (slower on CPU).
+    draft_top_k: int = 64
     #: Split of a prompt/response artifact dataset (None: all rows).
     split: str | None = None
     seed: int = 0
@@ -56,5 +59,7 @@ class EvalSettings(Section):
             self.fail("threshold", f"must be in [0, 1], got {self.threshold}.")
         if any(not 0.0 <= t <= 1.0 for t in self.sweep_thresholds):
             self.fail("sweep_thresholds", "must all be in [0, 1].")
+        if self.draft_top_k < 0:
+            self.fail("draft_top_k", f"must be >= 0 (0 = whole vocabulary), got {self.draft_top_k}.")
         if self.split not in (None, "train", "validation"):
             self.fail("split", f"must be train or validation, got {self.split!r}.")
