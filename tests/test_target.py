@@ -92,8 +92,10 @@ def test_cache_eval_and_serve_render_the_same_ids_and_stops(tiny_qwen3_target, t
     conv = Conversation(id="c", turns=[CONVERSATION[1]["content"], CONVERSATION[3]["content"]],
                         system=CONVERSATION[0]["content"])
     history = CONVERSATION[:3]  # eval opens turn 2 after the system prompt, turn 1 and its answer
-    slot = decoder._open(conv, 1, history, torch.Generator().manual_seed(0), [])
-    eval_ids = slot.state.ids[:slot.prompt_len]
+    decoder._start()
+    decoder._join(conv, 1, history, [])
+    (req,) = decoder._requests
+    eval_ids = req.ids[:req.prompt_len]
     serve_ids = engine.render(CONVERSATION[:4], {"enable_thinking": thinking})
     assert eval_ids == serve_ids == target.render(CONVERSATION[:4], thinking=thinking)
 
