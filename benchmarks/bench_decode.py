@@ -97,9 +97,10 @@ def micro(args, model, drafter, prompt: list[int]) -> dict:
 
 def decode_dataset(args, model, tok, drafter, convs, temps, schedule="fixed", concurrency=1,
                    sps=None, max_new_tokens=None):
-    scheduler = Scheduler(schedule, drafter.block_size, sps)
+    scheduler = Scheduler(schedule, drafter.block_size if drafter is not None else 1, sps)
     decoder = SpeculativeDecoder(model, tok, drafter, scheduler, temperature=args.temperature,
-                                 max_new_tokens=max_new_tokens or args.max_new_tokens, temperatures=temps,
+                                 max_new_tokens=max_new_tokens or args.max_new_tokens,
+                                 temperatures=temps if drafter is not None else None,
                                  seed=args.seed, draft_top_k=args.top_k)
     return decoder.run(convs, concurrency)
 
@@ -167,7 +168,8 @@ def print_datasets(results: list[dict], t: dict[int, float]) -> None:
 
 
 def bench_figure8(args, model, tok, drafter, temps) -> dict:
-    """Measured throughput and verified tokens per request vs R, per schedule (paper Fig. 8)."""
+    """Measured throughput and verified tokens per request vs R, per schedule (paper Fig. 8), and
+    the target alone batched by the same loop (one token per request per step) as the baseline."""
     gamma = drafter.block_size
     grid = sorted({1, 2, 4, 8, 16, 32, 64, 128} | {r * (gamma + 1) for r in args.figure8_r})
     t0 = time.perf_counter()
@@ -184,9 +186,10 @@ def bench_figure8(args, model, tok, drafter, temps) -> dict:
           f"{args.figure8_tokens} new tokens each, T={args.temperature}")
     print("| schedule | R | tok/s measured | Θ modelled | τ/request | verified/request/round | rounds |")
     print("|---|---|---|---|---|---|---|")
-    for policy in args.policies:
+    for policy in [*args.policies, "target alone"]:
         for r in args.figure8_r:
-            stats = decode_dataset(args, model, tok, drafter, convs, temps, policy, r, sps,
+            stats = decode_dataset(args, model, tok, None if policy == "target alone" else drafter, convs,
+                                   temps, "fixed" if policy == "target alone" else policy, r, sps,
                                    args.figure8_tokens)
             b = stats.batches
             n = max(len(b), 1)

@@ -57,3 +57,21 @@ def test_profile_rows_split_batch_tokens_like_the_decoder():
     assert row_lengths(8, 8) == [8]
     assert row_lengths(20, 8) == [7, 7, 6]
     assert sum(row_lengths(129, 8)) == 129 and len(row_lengths(129, 8)) == 17
+
+
+def test_target_alone_batched_by_the_decoder_loop_equals_plain_decoding(model, tiny_qwen3_target):
+    """drafter=None: one batched target step per round for R rows (the Figure 8 baseline) gives
+    the plain one-at-a-time greedy text, multi-turn conversations included."""
+    from dspark_cli.decode.prompts import Conversation
+    from dspark_cli.decode.scheduler import Scheduler
+    from dspark_cli.decode.specdec import SpeculativeDecoder, target_only
+    from dspark_cli.target.model import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_qwen3_target))
+    convs = [Conversation("a", ["What is 12 plus 30?", "And plus 2?"]), Conversation("b", ["Hello!"]),
+             Conversation("c", ["Write a short poem about the sea."], system="Be brief.")]
+    base = target_only(model, tokenizer, convs, temperature=0.0, max_new_tokens=12, thinking=False)
+    batched = SpeculativeDecoder(model, tokenizer, None, Scheduler("fixed", 1), temperature=0.0,
+                                 max_new_tokens=12).run(convs, 3)
+    assert batched.answers == base.answers and batched.new_tokens == base.new_tokens
+    assert max(b.requests for b in batched.batches) == 3

@@ -116,7 +116,9 @@ def test_eval_cli_writes_report_and_skips_when_done(trained, tiny_qwen3_target, 
     assert d["tau"] == pytest.approx((d["accepted"] + d["rounds"]) / d["rounds"]) and d["tau"] >= 1
     assert d["drafted"] == 4 * d["rounds"] and d["accepted"] <= d["verified"] <= d["drafted"]
     pa = d["position_acceptance"]
-    assert len(pa["conditional"]) == 4 and pa["reached"][0] == d["rounds"]
+    # A round with no room left (one token short of --max-new-tokens) verifies nothing: slot 0 is
+    # reached in every other round.
+    assert len(pa["conditional"]) == 4 and 0 < pa["reached"][0] <= d["rounds"]
     assert all(a <= n for a, n in zip(pa["accepted"], pa["reached"], strict=True))
     assert d["tokens_per_second"]["speculative"] > 0 and d["tokens_per_second"]["target_only"] > 0
     assert [s["threshold"] for s in d["threshold_sweep"]][:2] == [0.05, 0.1]

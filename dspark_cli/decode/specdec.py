@@ -23,13 +23,14 @@ from typing import Any
 
 import torch
 
+from ..model.draw import draw
 from ..settings.eval import EvalSettings
 from ..target.capture import cache_kwarg, new_cache
 from ..target.chat import render_prompt, stop_ids
 from .batch import TargetBatch
 from .calibrate import apply_temperatures
 from .prompts import Conversation
-from .sampling import probs_from_logits, sample, verify_rounds
+from .sampling import GREEDY_EPS, probs_from_logits, sample, verify_rounds
 from .scheduler import Scheduler, expected_throughput
 
 #: Candidates the Markov bias is applied to per slot (0 = the whole vocabulary); see
@@ -99,7 +100,11 @@ class _Request:
 
 
 class SpeculativeDecoder:
-    """Decodes conversations R at a time with a drafter, a scheduler and (optionally) calibration."""
+    """Decodes conversations R at a time with a drafter, a scheduler and (optionally) calibration.
+
+    Without a drafter (drafter=None) every round is one target step for all R rows: the target
+    alone, batched by the same loop, the baseline a batched speculative run is compared with.
+    """
 
     def __init__(self, model: Any, tokenizer: Any, drafter: Any, scheduler: Scheduler, *,
                  temperature: float = 1.0, max_new_tokens: int = 256, thinking: bool = False,
@@ -108,8 +113,8 @@ class SpeculativeDecoder:
         self.model, self.tokenizer, self.drafter, self.scheduler = model, tokenizer, drafter, scheduler
         self.temperature, self.max_new_tokens, self.thinking = temperature, max_new_tokens, thinking
         self.calibration = temperatures
-        self.layers = list(drafter.config.target_layer_ids)
-        self.gamma = int(drafter.block_size)
+        self.layers = list(drafter.config.target_layer_ids) if drafter is not None else [0]
+        self.gamma = int(drafter.block_size) if drafter is not None else 0
         self.stop = stop_ids(tokenizer, model)
         self.seed, self.draft_top_k = seed, draft_top_k
         self.lm_head = model.get_output_embeddings()
@@ -148,10 +153,11 @@ class SpeculativeDecoder:
         ids = render_prompt(self.tokenizer, messages, self.thinking)
         hidden, final = self._batch.add(ids)
         first = sample(probs_from_logits(self.lm_head(final[-1:]), self.temperature)[0], self._gen)
-        self._context.add_row()
         self._requests.append(_Request(conv, turn, messages, [*ids, first], len(ids), answers))
-        self.drafter.extend_context(self._context, [None] * (self._context.rows - 1)
-                                    + [hidden.to(torch.bfloat16)])  # stored as the cache stores them
+        if self.drafter is not None:
+            self._context.add_row()
+            self.drafter.extend_context(self._context, [None] * (self._context.rows - 1)
+                                        + [hidden.to(torch.bfloat16)])  # stored as the cache stores them
 
     def _fill_and_retire(self, pending: list[Conversation], concurrency: int, stats: DecodeStats,
                          on_turn: Callable[[int], None] | None) -> None:
@@ -166,7 +172,8 @@ class SpeculativeDecoder:
             keep = [i for i, r in enumerate(self._requests) if not self._finished(r)]
             self._requests = [self._requests[i] for i in keep]
             self._batch.keep(keep)
-            self._context.keep(keep)
+            if self.drafter is not None:
+                self._context.keep(keep)
             for req in done:
                 stats.new_tokens += len(self._answer_ids(req, keep_stop=True))
                 stats.turns += 1
@@ -185,11 +192,12 @@ class SpeculativeDecoder:
     def _start(self) -> None:
         """Fresh generators, an empty target batch and drafter context: every run starts alike."""
         self._gen = torch.Generator(device=self.device).manual_seed(self.seed)
-        drafter_device = next(self.drafter.parameters()).device
-        self._draft_gen = torch.Generator(device=drafter_device).manual_seed(self.seed + 1)
         self._batch = TargetBatch(self.model, self.layers)
-        self._context = self.drafter.new_context()
         self._requests: list[_Request] = []
+        if self.drafter is not None:
+            drafter_device = next(self.drafter.parameters()).device
+            self._draft_gen = torch.Generator(device=drafter_device).manual_seed(self.seed + 1)
+            self._context = self.drafter.new_context()
 
     @torch.inference_mode()
     def run(self, conversations: list[Conversation], concurrency: int = 1,
@@ -205,9 +213,30 @@ class SpeculativeDecoder:
             watch.lap("prefill")
             if not self._requests:
                 break
-            self._round(stats, watch)
+            if self.drafter is None:
+                self._target_step(stats, watch)
+            else:
+                self._round(stats, watch)
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _target_step(self, stats: DecodeStats, watch: Stopwatch) -> None:
+        """No drafter: one token per row from one batched target step."""
+        requests = self._requests
+        inputs, positions = [[r.ids[-1]] for r in requests], [len(r.ids) - 1 for r in requests]
+        _hidden, final = self._batch.forward(inputs, positions)
+        logits = self.lm_head(final[:, 0])  # [R, V]
+        watch.lap("verify")
+        if self.temperature <= GREEDY_EPS:
+            tokens = logits.argmax(-1)
+        else:
+            tokens = draw(probs_from_logits(logits, self.temperature), self._gen)
+        self._batch.commit([1] * len(requests))
+        for req, token in zip(requests, tokens.tolist(), strict=True):
+            req.ids.append(token)
+        stats.batches.append(BatchRound(len(requests), len(requests), len(requests), None,
+                                        len(requests) * self.scheduler.sps(len(requests))))
+        watch.lap("accept")
 
     def _round(self, stats: DecodeStats, watch: Stopwatch) -> None:
         requests = self._requests
