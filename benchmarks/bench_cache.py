@@ -8,7 +8,7 @@ Responses: no inference server runs here, so the benchmark regenerates them itse
 short (`--max-new-tokens`) answers by the same SmolLM2 to GSM8K test prompts, written as a
 contract-2 responses artifact. Everything lives under --work (reused across runs).
 
-    .venv/bin/python benchmarks/bench_cache.py --samples 200
+    .venv/bin/python -m benchmarks.bench_cache --samples 200
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def main() -> None:
     t0 = time.perf_counter()
     result = build_cache(cfg, responses, str(out), quiet=True)
     build_s = time.perf_counter() - t0
-    extra = result["manifest"]["extra"]
+    extra = result.manifest["extra"]
     m, d = len(extra["layers"]), extra["hidden_size"]
     ref_per_token = 6 + 2 * d * (m + 1)
     n_tok = extra["num_tokens"]

@@ -2,8 +2,8 @@
 table of a real target on this machine, and — when a trained drafter exists — τ, conditional
 acceptance and tokens/s of real speculative decoding under each schedule.
 
-    python benchmarks/bench_eval.py                       # audit + STS + SPS of SmolLM2-135M
-    python benchmarks/bench_eval.py --drafter runs/smollm2-135m-dspark/train --limit 5
+    python -m benchmarks.bench_eval                       # audit + STS + SPS of SmolLM2-135M
+    python -m benchmarks.bench_eval --drafter runs/smollm2-135m-dspark/train --limit 5
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def bench_sts(n: int = 5000, gamma: int = 7, power: float = 2.5) -> dict:
 def bench_sps(target: str, out: str, dtype: str) -> dict:
     cfg = load_config(None, [f"target.dtype='{dtype}'", "target.device='cpu'"])
     url = f"{out}/profile-{Path(target).name}-{dtype}"
-    run_profile(cfg, target, url, [1, 2, 4, 8, 16, 32, 64, 128], context_length=256, repeats=3)
-    table = storage.read_json(f"{url}/sps.json")
+    table = run_profile(cfg, target, url, [1, 2, 4, 8, 16, 32, 64, 128], context_length=256,
+                        repeats=3).summary
     print(f"\n## SPS(B) of {target} ({dtype}, {torch.get_num_threads()} threads)")
     print("| B | steps/s | tokens/s |")
     print("|---|---|---|")
@@ -72,7 +72,7 @@ def bench_decode(target: str, drafter: str, dataset: str, limit: int, max_new: i
             f"eval.limit={limit}", f"eval.max_new_tokens={max_new}", f"eval.schedule='{schedule}'",
             f"eval.concurrency={concurrency}", f"eval.concurrency_sweep={sweep}", f"eval.sps='{sps_url}'",
             f"eval.baseline={'true' if schedule == 'fixed' else 'false'}"])
-        report = run_eval(cfg, target, drafter, f"{out}/eval-{schedule}-R{concurrency}", force=True)
+        report = run_eval(cfg, target, drafter, f"{out}/eval-{schedule}-R{concurrency}", force=True).summary
         d = report["datasets"][0]
         keep = ("tau", "acceptance_rate", "rounds", "new_tokens")
         rows.append({"schedule": schedule, **{k: d[k] for k in keep},

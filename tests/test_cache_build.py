@@ -102,7 +102,9 @@ def test_manifest_records_what_and_how(local_cache, tiny_qwen3_target):
 
 def test_rerun_is_a_no_op_and_changed_config_is_refused(local_cache, tiny_qwen3_target, responses):
     cfg = config(tiny_qwen3_target)
-    assert build_cache(cfg, responses, local_cache, quiet=True)["state"] == "done"
+    again = build_cache(cfg, responses, local_cache, quiet=True)
+    assert again.state == "done" and again.manifest == manifest.read_manifest(local_cache)
+    assert again.summary["cache"]["tokens"] == again.manifest["extra"]["num_tokens"]
     with pytest.raises(DsparkError, match="storage_dtype"):
         fp8 = config(tiny_qwen3_target, "cache.storage_dtype='fp8'")
         build_cache(fp8, responses, local_cache, quiet=True)
@@ -164,12 +166,14 @@ def test_two_workers_fill_one_cache_and_the_last_finalizes(local_cache, tiny_qwe
     out = storage.join(memory_url, "multi")
     cfg = config(tiny_qwen3_target)
     first = build_cache(cfg, responses, out, num_workers=2, worker_index=0, quiet=True)
-    assert first["shards_built"] == 2 and first["manifest"] is None
+    assert first.summary["shards_built"] == 2 and first.manifest is None and "cache" not in first.summary
+    assert first.state == "fresh"
     with pytest.raises(DsparkError, match="shard-00001"):
         finalize_cache(out)
     assert invoke("finalize", out).exit_code != 0
     second = build_cache(cfg, responses, out, num_workers=2, worker_index=1, quiet=True)
-    assert second["shards_built"] == 1 and second["manifest"] is not None
+    assert second.summary["shards_built"] == 1 and second.manifest is not None
+    assert second.state == "resumed"  # the second worker found the build started
     assert invoke("finalize", out).exit_code == 0  # already final: a no-op
     ref = manifest.read_manifest(local_cache)["extra"]["shards"]
     assert [s["checksums"] for s in manifest.read_manifest(out)["extra"]["shards"]] == \
@@ -257,7 +261,8 @@ def test_partial_shard_on_an_object_store_is_rebuilt(local_cache, tiny_qwen3_tar
     storage.remove(storage.join(out, manifest.MANIFEST_NAME))
     storage.write_bytes(storage.join(shard, "hidden", "c", "0", "0"), b"half an upload")
     result = build_cache(cfg, responses, out, quiet=True)
-    assert result["shards_built"] == 1 and result["manifest"] is not None
+    assert result.summary["shards_built"] == 1 and result.manifest is not None
+    assert result.state == "resumed"
     verify_cache(out)
     ref = manifest.read_manifest(local_cache)["extra"]["shards"]
     assert [s["checksums"] for s in manifest.read_manifest(out)["extra"]["shards"]] == \

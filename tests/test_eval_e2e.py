@@ -140,8 +140,13 @@ def test_calibrate_then_eval_with_calibration_sps_and_scheduler(trained, tiny_qw
     cfg = _cfg(tiny_qwen3_target, out_dir, "calibrate.num_prompts=4", "calibrate.max_new_tokens=24",
                "calibrate.t_steps=40")
     cal_url = memory_url + "/calibration"
-    result = run_calibrate(cfg, str(tiny_qwen3_target), train_url, held_out, cal_url)
+    calibrated = run_calibrate(cfg, str(tiny_qwen3_target), train_url, held_out, cal_url)
+    result = storage.read_json(cal_url + "/calibration.json")
     validate(result, "calibration")
+    assert calibrated.state == "fresh" and calibrated.summary == {
+        "temperatures": result["temperatures"], "ece_before": result["ece_before"],
+        "ece_after": result["ece_after"], "num_samples": result["num_samples"],
+        "calibration": cal_url + "/calibration.json"}
     assert len(result["temperatures"]) == 4 and result["ece_after"] <= result["ece_before"] + 1e-9
     assert storage.read_bytes(cal_url + "/reliability.png")[:4] == b"\x89PNG"
     assert storage.read_json(cal_url + "/calibration.json")["num_samples"] == result["num_samples"]
@@ -154,7 +159,8 @@ def test_calibrate_then_eval_with_calibration_sps_and_scheduler(trained, tiny_qw
                "eval.concurrency=2", "eval.concurrency_sweep=[1, 3]", f"eval.sps='{sps_url}'",
                f"eval.calibration='{cal_url}/calibration.json'", "eval.max_new_tokens=16",
                "eval.baseline=false")
-    report = run_eval(cfg, str(tiny_qwen3_target), train_url, memory_url + "/eval")
+    report = run_eval(cfg, str(tiny_qwen3_target), train_url, memory_url + "/eval").summary
+    assert report == storage.read_json(memory_url + "/eval/report.json")
     sched = report["datasets"][0]["scheduler"]
     assert [s["concurrency"] for s in sched] == [2, 1, 3]
     assert all(s["policy"] == "algorithm1" and s["verified_per_round"] >= 1 for s in sched)
@@ -251,8 +257,10 @@ def test_dflash_baseline_drafter_decodes_losslessly_and_calibrate_skips(models, 
                            max_new_tokens=12).run(CONVS[:1])
     held = _jsonl(tmp_path / "held.jsonl", [["Hello!"]])
     cfg = _cfg(tiny_qwen3_target, tmp_path, "calibrate.num_prompts=1")
-    assert run_calibrate(cfg, str(tiny_qwen3_target), export, held, str(tmp_path / "cal")) == {
-        "skipped": "no confidence head"}
+    skipped = run_calibrate(cfg, str(tiny_qwen3_target), export, held, str(tmp_path / "cal"))
+    assert skipped.state == "skipped" and skipped.summary == {"skipped": "no confidence head"}
+    again = run_calibrate(cfg, str(tiny_qwen3_target), export, held, str(tmp_path / "cal"))
+    assert again.done and again.summary == {"skipped": "no confidence head"}
     assert manifest.read_manifest(str(tmp_path / "cal"))["extra"]["skipped"] == "no confidence head"
 
 

@@ -132,3 +132,18 @@ def test_cli_user_error_is_one_line_without_traceback():
     assert len(lines) == 1 and "train.lrr" in lines[0] and "Traceback" not in proc.stderr
     proc = _dspark("pipeline", "show", "no/such.toml")
     assert proc.returncode == 2 and proc.stderr.strip() == "error: no/such.toml: config file not found."
+
+
+def test_every_stage_function_returns_one_result_type():
+    """Commands and scripts read every stage the same way (state, output, manifest, summary)."""
+    import typing
+
+    from dspark_cli.cache.build import build_cache
+    from dspark_cli.data.prepare import prepare
+    from dspark_cli.data.regen import regen
+    from dspark_cli.decode.stages import run_calibrate, run_eval, run_profile
+    from dspark_cli.stage import StageResult
+    from dspark_cli.train.trainer import train
+
+    for stage in (prepare, regen, build_cache, train, run_calibrate, run_eval, run_profile):
+        assert typing.get_type_hints(stage)["return"] is StageResult, stage.__qualname__

@@ -53,7 +53,10 @@ def samples(tiny_qwen3_target):
 def test_train_writes_the_contract_5_layout_on_memory(tiny_qwen3_target, samples, memory_url):
     cfg = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=4", "train.micro_batch=2"))
     out = storage.join(memory_url, "train")
-    manifest = train(cfg, "features://tiny", out, dataset=samples, validation=samples[:3])
+    result = train(cfg, "features://tiny", out, dataset=samples, validation=samples[:3])
+    manifest = result.manifest
+    assert result.state == "fresh" and result.summary["steps"] == 4
+    assert result.summary["export"] == storage.join(out, "export")
     assert manifest["stage"] == "train" and manifest["counts"]["steps"] == 4
     assert manifest["extra"]["validation"]["samples"] == 3
     assert committed_steps(out) == [2, 4]  # keep_last = 2
@@ -77,7 +80,8 @@ def test_train_writes_the_contract_5_layout_on_memory(tiny_qwen3_target, samples
     assert set(ckpt) == set(export)
     assert torch.equal(ckpt["fc.weight"].to(torch.bfloat16), export["fc.weight"])
     # Rerun: nothing to do. Another config: refused, naming the key.
-    assert train(cfg, "features://tiny", out, dataset=samples) is None
+    again = train(cfg, "features://tiny", out, dataset=samples)
+    assert again.done and again.manifest == manifest and again.summary == result.summary
     other = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=4", "train.micro_batch=2",
                                        "train.lr=1e-3"))
     with pytest.raises(StageConflictError, match="train.lr"):

@@ -31,11 +31,13 @@ from ..data import io
 from ..errors import DsparkError, StageFailed
 from ..sample import Sample
 from ..schemas import validate
+from ..stage import StageResult, already_done, completed
 from ..target.files import load_config, num_layers
 from ..target.layers import resolve_layers
 from ..target.model import Target
 from ..target.samples import INPUT_COLUMNS, forward_samples, render_rows
 from . import fp8, store
+from .verify import summary as cache_summary
 
 LAYOUT_NAME = "_layout.json"
 STAGE = "cache"
@@ -198,8 +200,13 @@ RESPONSES_HINT = "pass the output of `dspark data regen` (default <work_dir>/res
 
 def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force: bool = False,
                 num_workers: int | None = None, worker_index: int | None = None,
-                quiet: bool = False) -> dict[str, Any]:
-    """Build (or resume) this worker's shards; finalize when all are committed. Returns a summary."""
+                quiet: bool = False) -> StageResult:
+    """Build (or resume) this worker's shards; finalize when all are committed.
+
+    The summary holds this worker's figures (shards_built, tokens, seconds, bytes) and, once the
+    manifest is written, `cache`: the figures `dspark cache inspect` shows. The manifest is None
+    while other workers' shards are missing.
+    """
     rank, world = worker_rank(num_workers, worker_index)
     if force and world > 1:
         raise DsparkError("--force with several workers would let each one delete the others' shards.",
@@ -210,7 +217,7 @@ def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force:
     run = manifest.prepare_stage(STAGE, output_url, stage_config(cfg, layers),
                                  {responses_url: manifest.fingerprint(responses_url)}, force=force)
     if run.state == "done":
-        return {"state": "done", "manifest": manifest.read_manifest(output_url)}
+        return already_done(run, lambda found: {"cache": cache_summary(output_url, found)})
     say = (lambda *a: None) if quiet else console.print
     if not storage.exists(storage.join(responses_url, manifest.MANIFEST_NAME)):
         say(f"[yellow]warning:[/] {responses_url} has no manifest.json: is `dspark data regen` still "
@@ -256,18 +263,19 @@ def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force:
                     f"{_fmt_bytes(stats.stored_bytes)} written, compression {ratio:.2f}×, ETA {eta:,.0f}s")
         finally:
             writer.close()
-    summary: dict[str, Any] = {"state": run.state, "worker": rank, "world": world, "shards_built": len(todo),
+    summary: dict[str, Any] = {"worker": rank, "world": world, "shards_built": len(todo),
                                "tokens": stats.tokens, "forward_s": stats.forward_s, "write_s": stats.write_s,
                                "render_s": stats.render_s, "wait_s": stats.wait_s,
                                "stored_bytes": stats.stored_bytes, "raw_bytes": stats.raw_bytes,
                                "wall_s": time.time() - stats.started}
     final = finalize_cache(output_url, strict=False, timings={"forward_seconds": stats.forward_s,
                                                               "writer_seconds": stats.write_s})
-    summary["manifest"] = final
     if final is None:
         say("cache: other workers' shards are still missing; the last one to finish (or "
             "`dspark cache finalize`) writes the manifest.")
-    return summary
+    else:
+        summary["cache"] = cache_summary(output_url, final)
+    return completed(run, final, summary)
 
 
 def _clean_own_temporaries(output_url: str, shards: list[int]) -> None:

@@ -37,9 +37,10 @@ def verify_cache(url: str, progress: Callable[[int, int], None] | None = None) -
             "bytes": extra["bytes"]}
 
 
-def summary(url: str) -> dict[str, Any]:
-    """The figures `inspect` shows: what was captured, how big, against the reference layout."""
-    found = read_cache_manifest(url)
+def summary(url: str, found: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The figures `inspect` shows: what was captured, how big, against the reference layout
+    (from `found`, the cache's manifest, when the caller holds it already)."""
+    found = found if found is not None else read_cache_manifest(url)
     extra = found["extra"]
     tokens = max(1, extra["num_tokens"])
     return {

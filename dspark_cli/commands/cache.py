@@ -19,6 +19,7 @@ from rich.table import Table
 
 from ..console import console, out
 from ..errors import DsparkError
+from ..stage import say_if_done
 from ._common import load
 from ._options import ConfigOpt, ForceOpt, SetOpt
 
@@ -85,18 +86,12 @@ def build(
     output_url = output or cfg.stage_url("cache")
     result = build_cache(cfg, responses_url, output_url, force=force, num_workers=num_workers,
                          worker_index=worker_index)
-    final = result.get("manifest")
-    if result["state"] == "done":
-        console.print(f"[green]✓[/] cache: {output_url} is complete with this config and input; "
-                      "nothing to do (use --force to rebuild).")
-    elif final is not None:
-        counts = final["counts"]
+    if not say_if_done(result, "cache") and result.manifest is not None:
+        counts = result.counts
         console.print(f"[green]✓[/] cache: {counts['samples']} samples, {counts['tokens']:,} tokens in "
                       f"{counts['shards']} shards → {output_url} (skipped: {counts['skipped'] or 'none'}).")
-    if final is not None:
-        from ..cache.verify import summary
-
-        out.print_json(json.dumps(summary(output_url)))
+    if "cache" in result.summary:
+        out.print_json(json.dumps(result.summary["cache"]))
 
 
 @cache_app.command("estimate")

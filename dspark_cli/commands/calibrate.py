@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from ..console import console, out
+from ..stage import say_if_done
 from ._common import load
 from ._options import ConfigOpt, DeviceOpt, ForceOpt, SetOpt
 
@@ -44,20 +45,15 @@ def calibrate_cmd(
     dataset_url = cfg.calibrate.dataset or cfg.stage_url("prompts")
     console.print(f"[cyan]▶[/] calibrate: {drafter_url} on {dataset_url} → {output}")
     result = run_calibrate(cfg, cfg.target.model, drafter_url, dataset_url, output, force=force)
-    if result is None:
-        from .. import storage
-
-        console.print(f"[green]✓[/] calibrate: {output} is complete; nothing to do (use --force to rerun).")
-        if not storage.exists(storage.join(output, "calibration.json")):
-            return
-        result = storage.read_json(storage.join(output, "calibration.json"))
-    if "skipped" in result:
-        out.print(f"calibrate: skipped ({result['skipped']}) → {output}")
+    say_if_done(result, "calibrate", "use --force to rerun")
+    summary = result.summary
+    if "skipped" in summary:
+        out.print(f"calibrate: skipped ({summary['skipped']}) → {output}")
         return
     _engines(drafter_url)
-    temps = ", ".join(f"{t:.3f}" for t in result["temperatures"])
-    out.print(f"temperatures: [{temps}]  ECE {result['ece_before']:.4f} → {result['ece_after']:.4f} "
-              f"({result['num_samples']} rounds) → {output}/calibration.json")
+    temps = ", ".join(f"{t:.3f}" for t in summary["temperatures"])
+    out.print(f"temperatures: [{temps}]  ECE {summary['ece_before']:.4f} → {summary['ece_after']:.4f} "
+              f"({summary['num_samples']} rounds) → {summary['calibration']}")
 
 
 def _engines(drafter_url: str) -> None:

@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 
 from ..console import console, out
+from ..stage import say_if_done
 from ._common import load
 from ._options import ConfigOpt, ForceOpt, SetOpt
 
@@ -48,10 +49,8 @@ def prepare_cmd(
     output = output or cfg.stage_url("prompts")
     console.print(f"[cyan]▶[/] data prepare: {cfg.data.source} → {output}")
     result = prepare(cfg, output, force=force)
-    c = result.counts
-    if result.state == "done":
-        console.print(f"[green]✓[/] data prepare: {output} is complete with this config and input; "
-                      "nothing to do (use --force to rebuild).")
+    c = result.summary
+    say_if_done(result, "data prepare")
     out.print(f"prompts: {c.get('rows')} (train {c.get('train')}, validation {c.get('validation')}), "
               f"duplicates removed: {c.get('duplicates')}, quarantined: {c.get('quarantined')} → {output}")
 
@@ -103,10 +102,8 @@ def regen_cmd(
         "request_timeout": request_timeout, "batch_rows": batch_rows})
     output = output or cfg.stage_url("responses")
     result = regen(cfg, input_, output, force=force, retry_errors=retry_errors)
-    c = result.counts
-    if result.state == "done":
-        console.print(f"[green]✓[/] data regen: {output} is complete with this config and input; "
-                      "nothing to do (use --force to rebuild, --retry-errors to retry failures).")
+    c = result.summary
+    say_if_done(result, "data regen", "use --force to rebuild, --retry-errors to retry failures")
     out.print(f"responses: {c.get('responses')} of {c.get('prompts')} prompts, rejected: {c.get('rejected')} "
               f"(truncated {c.get('rejected_truncated')}, empty {c.get('rejected_empty')}), "
               f"errors: {c.get('errors')} → {output}")

@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from ..console import console, out
+from ..stage import say_if_done
 from ._common import load
 from ._options import ConfigOpt, DeviceOpt, ForceOpt, SetOpt
 
@@ -71,13 +72,9 @@ def eval_cmd(
     output = output or cfg.stage_url("eval")
     drafter_url = cfg.eval.drafter or cfg.stage_url("train")
     console.print(f"[cyan]▶[/] eval: {drafter_url} on {cfg.target.model} → {output}")
-    report = run_eval(cfg, cfg.target.model, drafter_url, output, force=force)
-    if report is None:
-        console.print(f"[green]✓[/] eval: {output} is complete with this config and input; nothing to do "
-                      "(use --force to rerun).")
-        from .. import storage
-
-        report = storage.read_json(storage.join(output, "report.json"))
+    result = run_eval(cfg, cfg.target.model, drafter_url, output, force=force)
+    say_if_done(result, "eval", "use --force to rerun")
+    report = result.summary
     out.print(render_table(report))
     scheduler_table = render_scheduler_table(report)
     if scheduler_table is not None:

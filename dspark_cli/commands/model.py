@@ -14,6 +14,7 @@ import typer
 
 from ..console import console, out
 from ..errors import DsparkError
+from ..stage import nothing_to_do
 
 model_app = typer.Typer(help="Prepare target models (GGUF or hub folder → safetensors folder).",
                         no_args_is_help=True, rich_markup_mode=None)
@@ -44,8 +45,8 @@ def convert(
                           hint="dspark model convert --smollm2 runs/models/smollm2-135m-instruct")
     record = read_record(out_dir)
     if record and record.get("source") == str(src) and record.get("dtype") == dtype and not force:
-        console.print(f"[green]✓[/] {out_dir} already holds {src} ({dtype}); nothing to do "
-                      "(use --force to convert again).")
+        nothing_to_do("model convert", out_dir, "use --force to convert again",
+                      why=f"already holds {src} ({dtype})")
         out.print(str(Path(out_dir)))
         return
     console.print(f"[cyan]▶[/] converting {src} → {out_dir} ({dtype})")

@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 
 from ..console import console, out
+from ..stage import say_if_done
 from ._common import load
 from ._options import ConfigOpt, ForceOpt, SetOpt
 
@@ -50,14 +51,13 @@ def profile_cmd(
         raise DsparkError("--repeats, --context-length and --tokens-per-row must be >= 1.")
     output = output or cfg.stage_url("profile")
     console.print(f"[cyan]▶[/] profile: {cfg.target.model} → {output}")
-    table = run_profile(cfg, cfg.target.model, output, grid, context_length, repeats, force=force,
-                        tokens_per_row=tokens_per_row)
-    if table is None:
-        console.print(f"[green]✓[/] profile: {output} is complete; nothing to do (use --force to rerun).")
-        return
-    for b, s in zip(table.batch_tokens, table.steps_per_second, strict=True):
+    result = run_profile(cfg, cfg.target.model, output, grid, context_length, repeats, force=force,
+                         tokens_per_row=tokens_per_row)
+    say_if_done(result, "profile", "use --force to rerun")
+    table = result.summary
+    for b, s in zip(table["batch_tokens"], table["steps_per_second"], strict=True):
         out.print(f"B={b:5d}  {s:9.2f} steps/s  {b * s:10.1f} tokens/s")
-    out.print(f"SPS table: {output}/sps.json")
+    out.print(f"SPS table: {table['sps']}")
 
 
 def register(app: typer.Typer) -> None:

@@ -14,6 +14,7 @@ import typer
 
 from ..console import out
 from ..errors import DsparkError
+from ..stage import say_if_done
 from ._common import load
 from ._options import ConfigOpt, ForceOpt, SetOpt
 
@@ -73,12 +74,10 @@ def train_command(
 
         def open_split(split: str) -> CacheDataset:
             return CacheDataset(input_url, split=split)
-    manifest = train(cfg, input_url, output_url, force=force, open_split=open_split)
-    if manifest is not None:
-        final = manifest["extra"].get("final_metrics", {})
-        out.print_json(data={"output": output_url, "export": manifest["extra"]["export"],
-                             "steps": manifest["counts"]["steps"], "loss": final.get("loss"),
-                             "accepted_length": final.get("accepted_length")})
+    result = train(cfg, input_url, output_url, force=force, open_split=open_split)
+    if result.summary:  # rank 0 only
+        say_if_done(result, "train")
+        out.print_json(data={"output": output_url, **result.summary})
 
 
 def register(app: typer.Typer) -> None:

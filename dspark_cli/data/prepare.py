@@ -17,12 +17,12 @@ import json
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from .. import manifest, storage
 from ..config import PipelineConfig
 from ..errors import DsparkError
+from ..stage import StageResult, already_done, completed
 from . import io, sources
 from .formats import RowError, normalise
 
@@ -37,19 +37,13 @@ def split_of(sample_id: str, seed: int, val_fraction: float) -> str:
     return "validation" if u < val_fraction else "train"
 
 
-@dataclass
-class PrepareResult:
-    output_url: str
-    state: str
-    counts: dict[str, Any] = field(default_factory=dict)
-
-
 def _quarantine(raw: sources.RawRow, reason: str) -> dict[str, Any]:
     return {"input": raw.input, "row": raw.index, "reason": reason, "raw": raw.raw[:500]}
 
 
-def prepare(cfg: PipelineConfig, output_url: str | None = None, force: bool = False) -> PrepareResult:
-    """Run the prepare stage for cfg.data into output_url (default `<work_dir>/prompts`)."""
+def prepare(cfg: PipelineConfig, output_url: str | None = None, force: bool = False) -> StageResult:
+    """Run the prepare stage for cfg.data into output_url (default `<work_dir>/prompts`); the
+    summary is the manifest's counts (rows, train, validation, duplicates, quarantined, …)."""
     data = cfg.data
     output_url = output_url or cfg.stage_url("prompts")
     input_names, raw_rows = sources.read_source(data.source, data.split)
@@ -57,7 +51,7 @@ def prepare(cfg: PipelineConfig, output_url: str | None = None, force: bool = Fa
               for name in input_names}
     run = manifest.prepare_stage(STAGE, output_url, {"data": data.to_dict()}, inputs, force=force)
     if run.state == "done":
-        return PrepareResult(output_url, "done", (manifest.read_manifest(output_url) or {}).get("counts", {}))
+        return already_done(run)
     first = next(raw_rows, None)  # opens and parses the input before anything is claimed
     rows = raw_rows if first is None else itertools.chain([first], raw_rows)
     run.claim()
@@ -70,7 +64,7 @@ def prepare(cfg: PipelineConfig, output_url: str | None = None, force: bool = Fa
 
 
 def _write(cfg: PipelineConfig, output_url: str, run: manifest.StageRun, input_names: list[str],
-           raw_rows: Iterator[sources.RawRow]) -> PrepareResult:
+           raw_rows: Iterator[sources.RawRow]) -> StageResult:
     """Stream, normalise, dedupe, split and write; the manifest last."""
     data = cfg.data
     storage.clean_temporaries(output_url)
@@ -146,9 +140,9 @@ def _write(cfg: PipelineConfig, output_url: str, run: manifest.StageRun, input_n
     counts["train"] = splits["train"]
     counts["validation"] = splits["validation"]
     counts["quarantine_reasons"] = dict(reasons.most_common())
-    run.finish(counts, extra={"inputs": input_names, "row_schema": "prompt_row/v1"},
-               timings={"prepare_seconds": round(time.time() - started, 3)})
-    return PrepareResult(output_url, run.state, counts)
+    final = run.finish(counts, extra={"inputs": input_names, "row_schema": "prompt_row/v1"},
+                       timings={"prepare_seconds": round(time.time() - started, 3)})
+    return completed(run, final, dict(counts))
 
 
 def _raw_text(row: Any) -> str:

@@ -18,7 +18,7 @@ import asyncio
 import json
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import openai
@@ -29,6 +29,7 @@ from ..console import console
 from ..errors import DsparkError, StageFailed
 from ..redact import clean, register_secret, shorten
 from ..settings.regen import RegenSettings
+from ..stage import StageResult, already_done, completed
 from . import io
 from .faults import Failure, MalformedResponse, RequestFailed, RetryPolicy, classify
 from .progress import RegenCounters, RegenProgress
@@ -39,13 +40,6 @@ STAGE = "data.regen"
 IDENTITY_KEYS = ("model", "temperature", "top_p", "top_k", "min_p", "max_tokens", "thinking",
                  "keep_truncated", "keep_empty")
 PROBE_TIMEOUT = 15.0
-
-
-@dataclass
-class RegenResult:
-    output_url: str
-    state: str
-    counts: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -323,7 +317,7 @@ def _prompt_ids(input_url: str) -> list[str]:
 
 
 def regen(cfg: PipelineConfig, input_url: str | None = None, output_url: str | None = None,
-          force: bool = False, retry_errors: bool = False, show_progress: bool | None = None) -> RegenResult:
+          force: bool = False, retry_errors: bool = False, show_progress: bool | None = None) -> StageResult:
     """Run the regen stage: prompts at input_url (default `<work_dir>/prompts`) → responses."""
     s = cfg.regen
     input_url = input_url or cfg.stage_url("prompts")
@@ -342,7 +336,7 @@ def regen(cfg: PipelineConfig, input_url: str | None = None, output_url: str | N
     run = manifest.prepare_stage(STAGE, output_url, identity, {input_url: manifest.fingerprint(input_url)},
                                  force=force)
     if run.state == "done" and not retry_errors:
-        return RegenResult(output_url, "done", (manifest.read_manifest(output_url) or {}).get("counts", {}))
+        return already_done(run)
     store = ResponseStore(output_url)
     ids = _prompt_ids(input_url)
     state = StoreState() if run.replaces else store.scan()
@@ -383,10 +377,10 @@ def regen(cfg: PipelineConfig, input_url: str | None = None, output_url: str | N
     extra = {"endpoints": s.endpoints, "model": s.model, "sampling": sampling_params(s),
              "api_key_env": s.api_key_env, "concurrency": s.concurrency, "batch_rows": s.batch_rows,
              "max_retries": s.max_retries, "row_schema": "response_row/v1"}
-    run.finish(totals, extra=extra, timings={"regen_seconds": round(counters.elapsed, 3),
-                                             "requests_per_second": round(req_s, 3),
-                                             "output_tokens_per_second": round(tok_s, 3)})
-    return RegenResult(output_url, "resume" if run.state == "done" else run.state, totals)
+    final = run.finish(totals, extra=extra, timings={"regen_seconds": round(counters.elapsed, 3),
+                                                     "requests_per_second": round(req_s, 3),
+                                                     "output_tokens_per_second": round(tok_s, 3)})
+    return completed(run, final, dict(totals))  # a reopened (--retry-errors) run counts as resumed
 
 
 def _refuse_unusable(run: manifest.StageRun, store: ResponseStore, totals: dict[str, Any],

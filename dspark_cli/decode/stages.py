@@ -2,8 +2,8 @@
 
 Each takes a PipelineConfig plus URLs, goes through `manifest.prepare_stage` (skip when done,
 refuse a changed config, resume otherwise), claims the output only once its inputs are read and its
-models loaded, and writes its manifest last. Eval commits one part
-file per finished dataset, so a killed run redoes only the dataset it was in.
+models loaded, writes its manifest last and returns a `StageResult`. Eval commits one part file
+per finished dataset, so a killed run redoes only the dataset it was in.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from ..config import PipelineConfig
 from ..console import console
 from ..errors import DsparkError, StageFailed
 from ..schemas import validate
+from ..stage import StageResult, already_done, completed
 from ..target import identity
 from ..target.layers import agree_layers
 from ..target.model import Target
@@ -74,8 +75,10 @@ def load_calibration(url: str, gamma: int | None = None) -> list[float]:
 # ---- eval ------------------------------------------------------------------------------------
 
 def run_eval(cfg: PipelineConfig, target: str, drafter_url: str, output_url: str,
-             force: bool = False) -> dict[str, Any] | None:
-    """Decode every dataset speculatively (and with the target alone); write report.json + plot."""
+             force: bool = False) -> StageResult:
+    """Decode every dataset speculatively (and with the target alone); write report.json + plot.
+
+    The summary is the report itself (report.json: what `dspark eval` prints as tables)."""
     ev = cfg.eval
     if not ev.datasets:
         raise DsparkError("no eval dataset given.", hint="pass --dataset FILE.jsonl (repeatable).")
@@ -92,7 +95,7 @@ def run_eval(cfg: PipelineConfig, target: str, drafter_url: str, output_url: str
     config = {"eval": ev.to_dict(), "target": {"dtype": cfg.target.dtype}}
     run = manifest.prepare_stage("eval", output_url, config, inputs, force)
     if run.state == "done":
-        return None
+        return already_done(run, lambda _m: storage.read_json(storage.join(output_url, "report.json")))
     model, tokenizer, drafter = load_models(cfg, target, drafter_url)
     run.claim()  # only once the models loaded: a wrong --target or --drafter leaves nothing behind
     storage.clean_temporaries(output_url)
@@ -140,8 +143,8 @@ def run_eval(cfg: PipelineConfig, target: str, drafter_url: str, output_url: str
     storage.write_json(storage.join(output_url, "report.json"), report)
     counts = {"datasets": len(datasets), "rounds": sum(d["rounds"] for d in datasets),
               "new_tokens": sum(d["new_tokens"] for d in datasets)}
-    run.finish(counts, extra={"tau": {d["name"]: d["tau"] for d in datasets}})
-    return report
+    final = run.finish(counts, extra={"tau": {d["name"]: d["tau"] for d in datasets}})
+    return completed(run, final, report)
 
 
 # ---- calibrate -------------------------------------------------------------------------------
@@ -157,8 +160,11 @@ def calibration_rounds(cfg: PipelineConfig, model: Any, tokenizer: Any, drafter:
 
 
 def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_url: str, output_url: str,
-                  force: bool = False) -> dict[str, Any] | None:
-    """Decode held-out prompts with full verification, fit STS, write calibration.json + plot."""
+                  force: bool = False) -> StageResult:
+    """Decode held-out prompts with full verification, fit STS, write calibration.json + plot.
+
+    The summary is `calibration_summary`'s (temperatures, ECE before/after, rounds, the file), or
+    {"skipped": why} for a drafter without a confidence head (state "skipped")."""
     cal = cfg.calibrate
     drafter_block_size(cfg, drafter_url)  # the drafter first: without one there is nothing to calibrate
     split = None if dataset_url.endswith((".jsonl", ".json")) else cal.split
@@ -168,15 +174,15 @@ def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_ur
     config = {"calibrate": cal.to_dict(), "target": {"dtype": cfg.target.dtype}}
     run = manifest.prepare_stage("calibrate", output_url, config, inputs, force)
     if run.state == "done":
-        return None
+        return already_done(run, lambda found: calibration_summary(output_url, found))
     model, tokenizer, drafter = load_models(cfg, target, drafter_url)
     run.claim()  # only once the models loaded: a wrong --target or --drafter leaves nothing behind
     if not drafter.config.enable_confidence_head:
         # A DFlash baseline has nothing to calibrate; finishing (rather than failing) keeps a
         # whole-pipeline run going, and eval then uses the fixed schedule without calibration.
         console.print(f"[yellow]![/] calibrate: {drafter_url} has no confidence head; nothing to calibrate.")
-        run.finish({"rounds": 0, "conversations": 0}, extra={"skipped": "no confidence head"})
-        return {"skipped": "no confidence head"}
+        final = run.finish({"rounds": 0, "conversations": 0}, extra={"skipped": "no confidence head"})
+        return completed(run, final, calibration_summary(output_url, final), skipped=True)
     console.print(f"  decoding {len(convs)} held-out conversations, γ={drafter.block_size} all verified")
     rec = calibration_rounds(cfg, model, tokenizer, drafter, convs)
     if rec is None or len(rec.confidences) == 0:
@@ -195,10 +201,20 @@ def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_ur
     validate(result, "calibration", where=storage.join(output_url, "calibration.json"))
     plots.reliability_plot(rec, fit.temperatures, storage.join(output_url, "reliability.png"), cal.ece_bins)
     storage.write_json(storage.join(output_url, "calibration.json"), result)
-    run.finish({"rounds": fit.num_samples, "conversations": len(convs)},
-               extra={"temperatures": fit.temperatures, "ece_before": fit.ece_before,
-                      "ece_after": fit.ece_after})
-    return result
+    final = run.finish({"rounds": fit.num_samples, "conversations": len(convs)},
+                       extra={"temperatures": fit.temperatures, "ece_before": result["ece_before"],
+                              "ece_after": result["ece_after"]})
+    return completed(run, final, calibration_summary(output_url, final))
+
+
+def calibration_summary(output_url: str, found: dict[str, Any]) -> dict[str, Any]:
+    """What `dspark calibrate` prints, from its manifest: the fitted temperatures and ECE."""
+    extra = found["extra"]
+    if "skipped" in extra:
+        return {"skipped": extra["skipped"]}
+    return {"temperatures": extra["temperatures"], "ece_before": extra["ece_before"],
+            "ece_after": extra["ece_after"], "num_samples": found["counts"]["rounds"],
+            "calibration": storage.join(output_url, "calibration.json")}
 
 
 def _finite(obj: Any) -> Any:
@@ -216,23 +232,31 @@ def _finite(obj: Any) -> Any:
 
 def run_profile(cfg: PipelineConfig, target: str, output_url: str, batch_tokens: list[int] | None = None,
                 context_length: int = 128, repeats: int = 5, force: bool = False,
-                tokens_per_row: int = 8) -> SpsTable | None:
-    """Measure SPS(B) of the target on this hardware; write sps.json + sps.png."""
+                tokens_per_row: int = 8) -> StageResult:
+    """Measure SPS(B) of the target on this hardware; write sps.json + sps.png.
+
+    The summary holds the table (batch_tokens, steps_per_second) and the sps.json URL."""
     grid = batch_tokens or default_batch_grid()
     config = {"target": {"dtype": cfg.target.dtype, "device": cfg.target.device},
               "profile": {"batch_tokens": grid, "context_length": context_length, "repeats": repeats,
                           "tokens_per_row": tokens_per_row}}
     inputs = {target: _target_input(cfg, target, output_url)}
     run = manifest.prepare_stage("profile", output_url, config, inputs, force)
+    sps_url = storage.join(output_url, "sps.json")
     if run.state == "done":
-        return None
+        return already_done(run, lambda _m: _sps_summary(SpsTable.load(sps_url), sps_url))
     model = Target.from_settings(cfg.target, path=target).model
     run.claim()
     table = profile_target(model, grid, context_length=context_length, repeats=repeats,
                            tokens_per_row=tokens_per_row)
     table.meta.update({"target": target, "torch": torch.__version__})
-    table.save(storage.join(output_url, "sps.json"))
+    table.save(sps_url)
     plots.sps_plot(table.batch_tokens, table.steps_per_second, storage.join(output_url, "sps.png"),
                    title=f"{storage.basename(target)} on {table.meta['device']} ({table.meta['dtype']})")
-    run.finish({"points": len(grid)}, extra={"device": table.meta["device"]})
-    return table
+    final = run.finish({"points": len(grid)}, extra={"device": table.meta["device"]})
+    return completed(run, final, _sps_summary(table, sps_url))
+
+
+def _sps_summary(table: SpsTable, url: str) -> dict[str, Any]:
+    return {"batch_tokens": list(table.batch_tokens), "steps_per_second": list(table.steps_per_second),
+            "sps": url}

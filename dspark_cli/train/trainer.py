@@ -36,6 +36,7 @@ from ..model.export import export_drafter
 from ..model.frozen import attach_frozen
 from ..sample import Sample
 from ..settings.train import RUNTIME_KEYS
+from ..stage import StageResult, already_done, completed
 from ..target.dtypes import resolve_device
 from ..target.files import load_config, num_layers
 from ..target.identity import config_hash
@@ -125,8 +126,9 @@ def drafter_config_for(cfg: PipelineConfig, meta: dict[str, Any]) -> DrafterConf
 def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = False,
           dataset: Sequence[Sample] | None = None, validation: Sequence[Sample] | None = None,
           on_step_end: Callable[[int, dict[str, Any]], None] | None = None,
-          open_split: Callable[[str], Sequence[Sample]] | None = None) -> dict[str, Any] | None:
-    """Train (or resume) a drafter; returns the stage manifest (None off rank 0).
+          open_split: Callable[[str], Sequence[Sample]] | None = None) -> StageResult:
+    """Train (or resume) a drafter. Off rank 0 the result has no manifest and an empty summary
+    (rank 0 commits and reports).
 
     `open_split(split)` opens a split of the input at `cache_url`: the cache reader (the command
     passes it; train imports no other stage), or with `train.source = "online"` an
@@ -179,9 +181,7 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     if not world.main:
         run = prepare_stage(STAGE, output_url, stage_config, inputs, force=False)
     if run.state == "done":
-        if world.main:
-            console.print(f"[green]✓[/] train: {output_url} is complete; nothing to do (use --force).")
-        return None
+        return already_done(run, summary) if world.main else StageResult(run.stage, "done", output_url)
 
     plan = StepPlan(len(dataset), tc.global_batch, tc.micro_batch, world.world_size, world.rank, tc.seed)
     total_steps = tc.max_steps or tc.epochs * plan.steps_per_epoch
@@ -310,4 +310,11 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     world.barrier()
     if world.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
-    return manifest
+    return completed(run, manifest, summary(manifest) if manifest is not None else {})
+
+
+def summary(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What `dspark train` prints: the exported drafter, its steps and last training figures."""
+    final = manifest["extra"].get("final_metrics") or {}
+    return {"export": manifest["extra"]["export"], "steps": manifest["counts"]["steps"],
+            "loss": final.get("loss"), "accepted_length": final.get("accepted_length")}
