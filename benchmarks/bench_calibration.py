@@ -1,6 +1,6 @@
 """Can a calibration family with an offset do what STS's temperatures cannot? (after bench-quality)
 
-    .venv/bin/python benchmarks/bench_calibration.py      # make bench-calibration
+    .venv/bin/python -m benchmarks.bench_calibration      # make bench-calibration
 
 STS rescales each slot's confidence logit by 1/T_k, so a confidence of 0.5 stays 0.5 whatever T_k
 is. When the head is off in the middle (it says 0.5, a third of those slots are accepted), STS has
@@ -20,14 +20,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from dspark_cli.decode.calibrate import RoundRecords, ece, fit_sts, logit, scale  # noqa: E402
+from dspark_cli.decode.calibrate import RoundRecords, ece, fit_sts, logit, scale
 
 SLOPES = np.geomspace(0.1, 10.0, 41)
 OFFSETS = np.linspace(-3.0, 3.0, 61)
@@ -42,9 +38,10 @@ def decode_rounds(config: str, work: str, drafter: str) -> RoundRecords:
     from dspark_cli.config import load_config
     from dspark_cli.decode.prompts import load_conversations
     from dspark_cli.decode.stages import calibration_rounds, load_models
+    from dspark_cli.pipeline import stage_output
 
     cfg = load_config(config, [f"pipeline.work_dir={work}"], extra={})
-    convs = load_conversations(f"{work}/prompts", cfg.calibrate.num_prompts, cfg.calibrate.split)
+    convs = load_conversations(stage_output(cfg, "prepare"), cfg.calibrate.num_prompts, cfg.calibrate.split)
     model, tokenizer, model_drafter = load_models(cfg, cfg.target.model, drafter)
     rec = calibration_rounds(cfg, model, tokenizer, model_drafter, convs)
     if rec is None:

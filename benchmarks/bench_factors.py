@@ -1,8 +1,8 @@
 """Why is τ(DSpark)/τ(DFlash) what it is? One factor at a time, at a reduced budget.
 
-    .venv/bin/python benchmarks/bench_factors.py                 # make bench-factors
-    .venv/bin/python benchmarks/bench_factors.py --only base,layers-top
-    .venv/bin/python benchmarks/bench_factors.py --report-only
+    .venv/bin/python -m benchmarks.bench_factors                 # make bench-factors
+    .venv/bin/python -m benchmarks.bench_factors --only base,layers-top
+    .venv/bin/python -m benchmarks.bench_factors --report-only
 
 bench-quality measures the paper's claim once, at full size. When its ratio misses the goal, the
 question is which of the things the issue names limits it: data volume, training budget (measured
@@ -33,21 +33,23 @@ import json
 import time
 from pathlib import Path
 
-from bench_quality import (
+from benchmarks.common import (
     DFLASH_CFG,
     DSPARK_CFG,
     REPO,
-    TARGET,
     add_stage_options,
+    config,
     dspark,
     eval_sets,
     fmt,
     macro,
-    mean_conditional,
+    output,
+    run_shared_stages,
     stage_environment,
 )
-
+from dspark_cli.config import PipelineConfig
 from dspark_cli.decode.report import tau_from_conditional
+from dspark_cli.report import pooled_conditional
 
 #: Each variant changes one thing against `base` (the demo config): its data, cache or training.
 VARIANTS: dict[str, dict[str, object]] = {
@@ -63,52 +65,44 @@ VARIANTS: dict[str, dict[str, object]] = {
 DRAFTERS = (("dspark", DSPARK_CFG), ("dflash", DFLASH_CFG))
 
 
-def prepare_variant(work: Path, vroot: Path, spec: dict, sets: list[str]) -> Path:
+def prepare_variant(cfg: PipelineConfig, vroot: Path, spec: dict, sets: list[str]) -> Path:
     """The cache this variant trains on: the demo's, or one rebuilt for its data or layers."""
-    shared = ["--set", f"pipeline.work_dir={work}"]
-    if "data" in spec:  # its own prompts → regenerated answers → cache
-        from dspark_cli.serve.process import served
-
-        vshared = ["--set", f"pipeline.work_dir={vroot}", *(a for o in spec["data"] for a in ("--set", o))]
-        dspark("data", "prepare", "-c", DSPARK_CFG, *vshared, *sets)
-        if not (vroot / "responses" / "manifest.json").is_file():
-            with served(TARGET, served_model_name=TARGET, log_path=str(vroot / "serve.log"),
-                        args=["--max-batch-size", "32"]) as server:
-                dspark("data", "regen", "-c", DSPARK_CFG, *vshared, "--endpoint", server.base_url,
-                       "--model", server.model, *sets)
-        dspark("cache", "build", "-c", DSPARK_CFG, *vshared, *sets)
-        return vroot / "cache"
+    if "data" in spec:  # its own prompts → regenerated answers → cache, as the pipeline runs them
+        variant = run_shared_stages(DSPARK_CFG, vroot, [*sets, *spec["data"]], {})
+        return output(variant, "cache")
     if "layers" in spec:
-        dspark("cache", "build", "-c", DSPARK_CFG, *shared, "--responses", str(work / "responses"),
-               "-o", str(vroot / "cache"), "--layers", str(spec["layers"]), *sets)
+        dspark("cache", "build", "-c", DSPARK_CFG, "--set", f"pipeline.work_dir={cfg.pipeline.work_dir}",
+               "--responses", str(output(cfg, "regen")), "-o", str(vroot / "cache"),
+               "--layers", str(spec["layers"]), *(a for s in sets for a in ("--set", s)))
         return vroot / "cache"
-    return work / "cache"
+    return output(cfg, "cache")
 
 
-def run_variant(args: argparse.Namespace, work: Path, name: str, spec: dict) -> dict[str, float]:
+def run_variant(args: argparse.Namespace, cfg: PipelineConfig, name: str, spec: dict) -> dict[str, float]:
+    work = Path(cfg.pipeline.work_dir)
     vroot = work / "factors" / name
     vroot.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
     t = time.time()
-    cache = prepare_variant(work, vroot, spec, args.sets)
+    cache = prepare_variant(cfg, vroot, spec, args.sets)
     timings["data"] = time.time() - t
     shared = ["--set", f"pipeline.work_dir={work}"]
     anchors = ["--num-anchors", str(spec["num_anchors"])] if "num_anchors" in spec else []
     layers = ["--set", f"target.layers=[{spec['layers']}]"] if "layers" in spec else []
-    datasets = [a for path in eval_sets(args) for a in ("--dataset", path)]
-    for drafter, cfg in DRAFTERS:
+    datasets = [a for path in eval_sets(cfg, args) for a in ("--dataset", path)]
+    for drafter, path in DRAFTERS:
         t = time.time()
-        dspark("train", "-c", cfg, *shared, "--cache", str(cache), "-o", str(vroot / f"train-{drafter}"),
+        dspark("train", "-c", path, *shared, "--cache", str(cache), "-o", str(vroot / f"train-{drafter}"),
                "--epochs", str(spec.get("epochs", 8)), "--max-steps", str(spec.get("steps", args.steps)),
-               *anchors, *layers, *args.sets)
+               *anchors, *layers, *args.set_flags)
         timings[f"train_{drafter}"] = time.time() - t
         if args.offline_only:
             continue
         t = time.time()
-        dspark("eval", "-c", cfg, *shared, "--drafter", str(vroot / f"train-{drafter}"), *datasets,
+        dspark("eval", "-c", path, *shared, "--drafter", str(vroot / f"train-{drafter}"), *datasets,
                "--limit", str(args.limit), "--temperature", "1.0",
                "--max-new-tokens", str(args.max_new_tokens), "-o", str(vroot / f"eval-{drafter}"),
-               "--set", "eval.baseline=false", "--set", "eval.calibration=", *layers, *args.sets)
+               "--set", "eval.baseline=false", "--set", "eval.calibration=", *layers, *args.set_flags)
         timings[f"eval_{drafter}"] = time.time() - t
     return timings
 
@@ -131,7 +125,7 @@ def score(work: Path, name: str) -> dict | None:
         out[drafter] = {
             "tau": macro([d["tau"] for d in report["datasets"]]) if report else None,
             "tau_by_dataset": {d["name"]: d["tau"] for d in report["datasets"]} if report else None,
-            "conditional": mean_conditional(report) if report else None,
+            "conditional": pooled_conditional(report) if report else None,
             "offline_tau": (extra.get("validation") or {}).get("accepted_length"),
             "offline_acceptance": (extra.get("validation") or {}).get("slot_acceptance"),
             "train_samples": trained["counts"]["train_samples"],
@@ -187,7 +181,8 @@ def main() -> None:
     args = ap.parse_args()
     stage_environment(args)
     work = (REPO / args.work).resolve()
-    if not (work / "cache" / "manifest.json").is_file():
+    cfg, _pairs = config(DSPARK_CFG, work, args.sets)
+    if not (output(cfg, "cache") / "manifest.json").is_file():
         raise SystemExit(f"{work}/cache has no manifest: run `make demo` first (it builds the shared "
                          "stages).")
     names = [n.strip() for n in args.only.split(",") if n.strip()]
@@ -197,7 +192,7 @@ def main() -> None:
     timings: dict[str, dict[str, float]] = {}
     if not args.report_only:
         for name in names:
-            timings[name] = run_variant(args, work, name, VARIANTS[name])
+            timings[name] = run_variant(args, cfg, name, VARIANTS[name])
     rows = [r for r in (score(work, n) for n in VARIANTS) if r is not None]
     if not rows:
         raise SystemExit("no variant has both evals yet")

@@ -1,7 +1,7 @@
 """`make bench-online`: training online (the target in the loop) against training from a cache.
 
-    .venv/bin/python benchmarks/bench_online.py                       # the demo's responses, 60 steps
-    .venv/bin/python benchmarks/bench_online.py --work-dir runs/bench-online-short --limit 24 \\
+    .venv/bin/python -m benchmarks.bench_online                       # the demo's responses, 60 steps
+    .venv/bin/python -m benchmarks.bench_online --work-dir runs/bench-online-short --limit 24 \\
         --max-tokens 48 --steps 3 --eval-samples 4                     # a short check that it runs
 
 On SmolLM2-135M-Instruct and the demo's regenerated responses (`runs/smollm2-135m-dspark/responses`
@@ -96,7 +96,7 @@ def child(args: argparse.Namespace) -> None:
             return CacheDataset(url, split=split)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    manifest = train(cfg, url, str(out), force=True, open_split=open_split)
+    manifest = train(cfg, url, str(out), force=True, open_split=open_split).manifest
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steady = rows[1:] or rows
     times = ([b["elapsed_s"] - a["elapsed_s"] for a, b in zip(rows, rows[1:], strict=False)]

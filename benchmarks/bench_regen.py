@@ -1,6 +1,6 @@
 """Regen client throughput against the fixture server with a fixed reply delay.
 
-    .venv/bin/python benchmarks/bench_regen.py --prompts 3200 --delay 0.2 --concurrency 64
+    .venv/bin/python -m benchmarks.bench_regen --prompts 3200 --delay 0.2 --concurrency 64
 
 With a 200 ms reply and 64 requests in flight the ideal is 64 / 0.2 = 320 requests/s; the client
 (and the storage writes it makes) should reach at least 85 % of that. Prints one line per figure

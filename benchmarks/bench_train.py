@@ -1,6 +1,6 @@
 """Training throughput and peak memory of a SmolLM2-135M-sized drafter, chunked loss on vs off.
 
-    .venv/bin/python benchmarks/bench_train.py [--draft-layers 1] [--steps 1] [--threads 2]
+    .venv/bin/python -m benchmarks.bench_train [--draft-layers 1] [--steps 1] [--threads 2]
 
 Shapes are SmolLM2-135M's (vocab 49152, hidden 576, 9 heads / 3 KV heads, head dim 64,
 intermediate 1536, 30 target layers, tied embeddings); γ = 7 and 512 anchors per sample. The

@@ -37,6 +37,11 @@ STAGE_COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
+def stage_output(cfg: PipelineConfig, stage: str) -> str:
+    """Where `dspark pipeline run` has stage write: its folder under pipeline.work_dir."""
+    return cfg.stage_url(STAGE_COMMANDS[stage][1])
+
+
 @dataclass
 class StageOutcome:
     stage: str
@@ -68,7 +73,7 @@ def stage_args(stage: str, cfg: PipelineConfig, config_path: str, sets: list[str
     if force:
         args.append("--force")
     if stage == "eval" and "calibrate" in STAGES:
-        calibration = storage.join(cfg.stage_url("calibration"), "calibration.json")
+        calibration = storage.join(stage_output(cfg, "calibrate"), "calibration.json")
         if cfg.model.enable_confidence_head and storage.exists(calibration):
             args += ["--calibration", calibration]
     return args
@@ -76,7 +81,7 @@ def stage_args(stage: str, cfg: PipelineConfig, config_path: str, sets: list[str
 
 def run_stage(stage: str, cfg: PipelineConfig, config_path: str, sets: list[str], force: bool) -> None:
     args = stage_args(stage, cfg, config_path, sets, force)
-    output_url = cfg.stage_url(STAGE_COMMANDS[stage][1])
+    output_url = stage_output(cfg, stage)
     serve = stage == "regen" and cfg.regen.serve_target
     if serve and (force or manifest.read_manifest(output_url) is None):
         console.print(f"[cyan]▶[/] pipeline: starting `dspark serve {cfg.target.model}` for regen")
@@ -111,7 +116,7 @@ def run_pipeline(config_path: str, sets: list[str] | None = None, stages: str | 
     for stage in selected:
         start = time.time()
         run_stage(stage, cfg, config_path, sets, force)
-        outcomes.append(StageOutcome(stage, time.time() - start, cfg.stage_url(STAGE_COMMANDS[stage][1])))
+        outcomes.append(StageOutcome(stage, time.time() - start, stage_output(cfg, stage)))
     return outcomes
 
 

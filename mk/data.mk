@@ -3,7 +3,7 @@
 
 ## Regen client against the fixture server: 200 ms replies, 64 in flight -> fraction of the ideal 320 req/s.
 bench-regen: install
-	$(BIN)/python benchmarks/bench_regen.py --prompts 3200 --delay 0.2 --concurrency 64 --server-workers 2
+	$(BIN)/python -m benchmarks.bench_regen --prompts 3200 --delay 0.2 --concurrency 64 --server-workers 2
 
 ## Only the data-stage tests.
 test-data: install

@@ -11,13 +11,13 @@ demo-model: install
 ## the short report. Finished stages are reused on a rerun.
 demo: demo-model
 	$(BIN)/dspark pipeline run pipelines/smollm2-135m.toml
-	$(BIN)/python benchmarks/bench_quality.py --demo-report runs/smollm2-135m-dspark
+	$(BIN)/dspark pipeline report pipelines/smollm2-135m.toml
 
 ## DSpark vs DFlash on the same data and budget, T=1, held-out GSM8K + HumanEval (+ MT-Bench).
 bench-quality: demo-model
-	$(BIN)/python benchmarks/bench_quality.py
+	$(BIN)/python -m benchmarks.bench_quality
 
 ## One factor at a time against the demo config (data volume, layer choice, anchors, regen
 ## sampling), each DSpark/DFlash pair at the same reduced budget; needs `make demo` first.
 bench-factors: demo-model
-	$(BIN)/python benchmarks/bench_factors.py
+	$(BIN)/python -m benchmarks.bench_factors

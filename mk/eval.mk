@@ -4,7 +4,7 @@
 
 ## Audit p-values + synthetic STS + SPS(B) of SmolLM2 (+ decoding when the demo drafter exists).
 bench-eval: demo-model
-	$(BIN)/python benchmarks/bench_eval.py --drafter runs/smollm2-135m-dspark/train --limit 5 --max-new-tokens 64
+	$(BIN)/python -m benchmarks.bench_eval --drafter runs/smollm2-135m-dspark/train --limit 5 --max-new-tokens 64
 
 ## The losslessness audit alone (chi-square per scheduling policy).
 audit: install
@@ -17,7 +17,7 @@ test-eval: install
 
 ## STS vs a per-position offset (Platt) on the bench-quality DSpark drafter's calibration rounds.
 bench-calibration: demo-model
-	$(BIN)/python benchmarks/bench_calibration.py
+	$(BIN)/python -m benchmarks.bench_calibration
 
 ## Decode speed on the demo's target and drafter (issue 16): t₁…t₈, draft/verify split, c, τ,
 ## speed-up vs predicted, SPS(B) of the batched forward and the measured Figure 8 (a few minutes
@@ -26,5 +26,5 @@ DEMO_WORK := runs/smollm2-135m-dspark
 bench-decode: demo-model
 	test -f $(DEMO_WORK)/train/manifest.json -a -f $(DEMO_WORK)/calibration/manifest.json || \
 		$(BIN)/dspark pipeline run pipelines/smollm2-135m.toml --stages prepare,regen,cache,train,calibrate
-	$(BIN)/python benchmarks/bench_decode.py --drafter $(DEMO_WORK)/train \
+	$(BIN)/python -m benchmarks.bench_decode --drafter $(DEMO_WORK)/train \
 		--calibration $(DEMO_WORK)/calibration/calibration.json

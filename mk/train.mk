@@ -1,10 +1,10 @@
 # Drafter training benchmark (docs/train.md): throughput and peak memory, chunked loss on vs off.
 .PHONY: bench-train
 bench-train: install
-	$(BIN)/python benchmarks/bench_train.py --draft-layers 1 --steps 1 --threads 2
+	$(BIN)/python -m benchmarks.bench_train --draft-layers 1 --steps 1 --threads 2
 
 # Online training (the target in the loop) vs from the cache on SmolLM2 and the demo's responses
 # (docs/train.md): s/step, peak memory, τ of both drafters, break-even epochs. Builds what is missing.
 .PHONY: bench-online
 bench-online: demo-model
-	$(BIN)/python benchmarks/bench_online.py --steps 60
+	$(BIN)/python -m benchmarks.bench_online --steps 60

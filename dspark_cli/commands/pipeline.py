@@ -1,7 +1,9 @@
-"""`dspark pipeline`: run every stage of a pipeline config in order, or show its resolved config.
+"""`dspark pipeline`: run every stage of a pipeline config in order, show its resolved config, or
+report what its stages produced.
 
     dspark pipeline show pipelines/qwen3-4b.toml --set train.lr=3e-4
     dspark pipeline run pipelines/smollm2-135m.toml
+    dspark pipeline report pipelines/smollm2-135m.toml
 """
 
 from __future__ import annotations
@@ -70,6 +72,23 @@ def new(
     load(output, [])  # what we wrote must load
     console.print(f"mask token: {mask.token_id} ({mask.reason})")
     out.print(f"wrote {output}; run it with `dspark pipeline run {output}`")
+
+
+@pipeline_app.command("report")
+def report(
+    config: ConfigArg,
+    set_: SetOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
+) -> None:
+    """Stage seconds, τ per dataset, conditional acceptance, ECE before/after, speed-up, plots."""
+    from ..report import collect, render
+
+    figures = collect(load(config, set_))
+    if as_json:
+        out.print_json(json.dumps(figures))
+        return
+    for block in render(figures):
+        out.print(block)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,0 +1,1 @@
+"""Benchmarks, run as modules from the repository: `python -m benchmarks.bench_quality`."""

@@ -1,0 +1,91 @@
+"""What the benchmarks that drive `dspark` stages share (bench-quality, bench-factors).
+
+Run them as modules from the repository (`python -m benchmarks.bench_quality`), so this module
+imports as `benchmarks.common`. Stage outputs are found through the pipeline's own stage list
+(`dspark_cli.pipeline.stage_output`), and the shared stages (prepare → regen → cache) run through
+the pipeline runner itself (`pipeline.run_stage`: same commands, same `dspark serve` for regen).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dspark_cli.config import PipelineConfig, load_config
+from dspark_cli.pipeline import run_stage, stage_output
+
+REPO = Path(__file__).resolve().parent.parent
+DSPARK_CFG = "pipelines/smollm2-135m.toml"
+DFLASH_CFG = "pipelines/smollm2-135m-dflash.toml"
+MT_BENCH = REPO.parent / "shared" / "eval_datasets" / "mt-bench.jsonl"
+#: The stages every drafter of a comparison shares: same prompts, answers and cache.
+SHARED_STAGES = ("prepare", "regen", "cache")
+
+
+def dspark(*args: str) -> None:
+    """One CLI stage; its manifest decides whether there is anything to do."""
+    cmd = [sys.executable, "-m", "dspark_cli.cli", *args]
+    print(f"\n$ dspark {' '.join(args)}", flush=True)
+    started = time.time()
+    subprocess.run(cmd, cwd=REPO, check=True)
+    print(f"  ({time.time() - started:.0f}s)", flush=True)
+
+
+def config(path: str, work: Path, sets: list[str]) -> tuple[PipelineConfig, list[str]]:
+    """The config a benchmark's stages see (work root + its --set pairs), and those pairs."""
+    pairs = [f"pipeline.work_dir={work}", *sets]
+    return load_config(path, pairs), pairs
+
+
+def output(cfg: PipelineConfig, stage: str) -> Path:
+    """A pipeline stage's output folder (e.g. 'cache' → <work>/cache)."""
+    return Path(stage_output(cfg, stage))
+
+
+def run_shared_stages(path: str, work: Path, sets: list[str], timings: dict[str, float]) -> PipelineConfig:
+    """prepare → regen (served by `dspark serve`) → cache under `work`, as `dspark pipeline run`
+    runs them; adds each stage's seconds to `timings`."""
+    cfg, pairs = config(path, work, sets)
+    for stage in SHARED_STAGES:
+        started = time.time()
+        run_stage(stage, cfg, path, pairs, force=False)
+        timings[stage] = timings.get(stage, 0.0) + time.time() - started
+    return cfg
+
+
+def eval_sets(cfg: PipelineConfig, args: argparse.Namespace) -> list[str]:
+    """The config's own eval sets (+ MT-Bench from ../shared/eval_datasets when present)."""
+    paths = list(cfg.eval.datasets)
+    if MT_BENCH.is_file() and not args.no_mt_bench:
+        paths.append(str(MT_BENCH))
+    return paths
+
+
+def macro(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def fmt(x: float | None, pattern: str = "{:.2f}") -> str:
+    return "—" if x is None else pattern.format(x)
+
+
+def add_stage_options(ap: argparse.ArgumentParser) -> None:
+    """Options every benchmark that drives `dspark` stages shares (bench-quality, bench-factors)."""
+    ap.add_argument("--no-mt-bench", action="store_true", help="Skip ../shared/eval_datasets/mt-bench.jsonl.")
+    ap.add_argument("--set", dest="sets_raw", action="append", default=[],
+                    help="Config override for every stage (section.key=value), e.g. train.epochs=2.")
+
+
+def stage_environment(args: argparse.Namespace) -> None:
+    """Run from the repository (the work roots are relative to it), offline; `args.sets` holds the
+    --set values every stage gets, `args.set_flags` the same as `--set` flags."""
+    os.chdir(REPO)
+    args.sets = list(args.sets_raw)
+    args.set_flags = [a for s in args.sets for a in ("--set", s)]
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
