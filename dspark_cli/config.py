@@ -2,6 +2,9 @@
 
     cfg = load_config("pipelines/qwen3-4b.toml", ["train.lr=3e-4"])
     cfg.train.lr  # 0.0003
+
+Input paths come back resolved (`paths`): the file's relative ones against its folder,
+`package://…` to the installed file; flags, `--set` and pipeline.work_dir stay as typed.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Any
 
 from . import storage
 from .errors import ConfigError
+from .paths import resolve_sections
 from .settings.base import Section
 from .settings.cache import CacheSettings
 from .settings.calibrate import CalibrateSettings
@@ -91,14 +95,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: unknown section [{name}]; sections: {', '.join(SECTIONS)}.")
     # Where each value came from, so an error blames the file, the flag or the --set that set it.
     origin = {f"{name}.{key}": str(path) for name, values in raw.items() for key in values}
+    kinds = {name: cls.input_paths for name, cls in SECTIONS.items()}
+    if path is not None:  # the file's own relative paths: against its folder
+        try:
+            resolve_sections(raw, kinds, Path(path).resolve().parent)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+    given: dict[str, dict[str, Any]] = {}
     for section, values in (extra or {}).items():
-        given = {k: v for k, v in values.items() if v is not None}
-        raw.setdefault(section, {}).update(given)
-        origin.update({f"{section}.{k}": f"--{k.replace('_', '-')}" for k in given})
+        flags = {k: v for k, v in values.items() if v is not None}
+        given.setdefault(section, {}).update(flags)
+        origin.update({f"{section}.{k}": f"--{k.replace('_', '-')}" for k in flags})
     for text in overrides or []:
         section, key, value = parse_override(text)
-        raw.setdefault(section, {})[key] = value
+        given.setdefault(section, {})[key] = value
         origin[f"{section}.{key}"] = f"--set {text}"
+    resolve_sections(given, kinds, None)  # flags and --set: as typed, against the working directory
+    for section, values in given.items():
+        raw.setdefault(section, {}).update(values)
     try:
         sections = {name: cls.from_dict(raw.get(name, {})) for name, cls in SECTIONS.items()}
     except ConfigError as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -67,6 +68,20 @@ def recorded_input(output_url: str, url: str) -> str | None:
     return None
 
 
+def _same(old: Any, new: Any) -> bool:
+    """Equal config values; two spellings of one existing local file or folder are equal too
+    (`dspark_cli/resources/x.jsonl` run from the repository and the absolute path a config now
+    resolves it to), as inputs are compared by location below."""
+    if old == new:
+        return True
+    if isinstance(old, str) and isinstance(new, str):
+        where = storage.canonical(old)
+        return where == storage.canonical(new) and os.path.isabs(where) and os.path.exists(where)
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return all(_same(a, b) for a, b in zip(old, new, strict=True))
+    return False
+
+
 def _diff_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
     if isinstance(old, dict) and isinstance(new, dict):
         keys = sorted(set(old) | set(new))
@@ -74,7 +89,7 @@ def _diff_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
         for k in keys:
             out += _diff_keys(old.get(k), new.get(k), f"{prefix}{k}.")
         return out
-    return [] if old == new else [prefix.rstrip(".")]
+    return [] if _same(old, new) else [prefix.rstrip(".")]
 
 
 @dataclass

@@ -12,6 +12,7 @@ SGLang).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -19,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import manifest, storage
-from .config import PipelineConfig, load_config
+from .config import SECTIONS, PipelineConfig, load_config
 from .console import console
+from .data.sources import is_local_source
 from .errors import DsparkError
 from .serve.process import regen_endpoints
 
@@ -40,6 +42,32 @@ STAGE_COMMANDS: dict[str, tuple[tuple[str, ...], str]] = {
 def stage_output(cfg: PipelineConfig, stage: str) -> str:
     """Where `dspark pipeline run` has stage write: its folder under pipeline.work_dir."""
     return cfg.stage_url(STAGE_COMMANDS[stage][1])
+
+
+def resolved_paths(cfg: PipelineConfig) -> list[tuple[str, str]]:
+    """(key, location) of every input path the config names, then the work dir and each stage's
+    output, as the stages will open them: local paths absolute, hub ids as written."""
+    def where(item: str, kind: str) -> str:
+        if kind == "model":
+            local = os.path.exists(item) or item.startswith(("/", "./", "../")) or "://" in item
+        elif kind == "source":
+            local = is_local_source(item)
+        else:
+            local = True
+        return storage.canonical(item) if local else item  # hub ids as written
+
+    rows: list[tuple[str, str]] = []
+    for name, cls in SECTIONS.items():
+        section = getattr(cfg, name)
+        for key, kind in cls.input_paths.items():
+            value = getattr(section, key)
+            items = value if isinstance(value, list) else value.split(",") if kind == "source" else [value]
+            items = [i.strip() for i in items if i and i.strip()]
+            for n, item in enumerate(items):
+                rows.append((f"{name}.{key}" + (f"[{n}]" if len(items) > 1 else ""), where(item, kind)))
+    rows.append(("pipeline.work_dir", storage.canonical(cfg.pipeline.work_dir)))
+    rows += [(f"{stage} output", storage.canonical(stage_output(cfg, stage))) for stage in STAGES]
+    return rows
 
 
 @dataclass

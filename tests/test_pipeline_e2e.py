@@ -27,25 +27,29 @@ QUESTIONS = ["What is 12 plus 30?", "Write a poem about the sea.", "Explain def 
 
 
 def _write_pipeline(tmp: Path, target: Path) -> Path:
-    with open(tmp / "prompts.jsonl", "w") as f:
+    """The config and its input files in one folder, named relative to it (the target too); the
+    pipeline then runs from another directory, where its work dir lands."""
+    folder = tmp / "config"
+    folder.mkdir()
+    with open(folder / "prompts.jsonl", "w") as f:
         for i in range(12):
             f.write(json.dumps({"turns": [f"{QUESTIONS[i % 6]} Case {i}."]}) + "\n")
-    with open(tmp / "eval.jsonl", "w") as f:
+    with open(folder / "eval.jsonl", "w") as f:
         for q in QUESTIONS[:2]:
             f.write(json.dumps({"turns": [q + " Eval."]}) + "\n")
-    config = tmp / "tiny.toml"
+    config = folder / "tiny.toml"
     config.write_text(f"""
 [pipeline]
-work_dir = "{tmp / 'work'}"
+work_dir = "work"
 
 [target]
-model = "{target}"
+model = "{os.path.relpath(target, folder)}"
 dtype = "float32"
 layers = "auto"  # the cache resolves [1, 9, 17, 25, 33]; train and eval take them from it
 mask_token_id = {mask_token_id(target)}
 
 [data]
-source = "{tmp / 'prompts.jsonl'}"
+source = "prompts.jsonl"
 val_fraction = 0.25
 
 [regen]
@@ -75,25 +79,28 @@ num_prompts = 2
 max_new_tokens = 12
 
 [eval]
-datasets = ["{tmp / 'eval.jsonl'}"]
+datasets = ["eval.jsonl", "package://dspark_cli/resources/demo_eval_gsm8k.jsonl"]
+limit = 2
 max_new_tokens = 12
 """)
     return config
 
 
-def _start(config: Path) -> subprocess.Popen:
+def _start(config: Path, cwd: Path) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen([sys.executable, "-m", "dspark_cli.cli", "pipeline", "run", str(config)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
 
 
 @pytest.mark.timeout(900)
 def test_pipeline_killed_midway_then_resumed_completes(tmp_path, tiny_qwen3_target):
     config = _write_pipeline(tmp_path, tiny_qwen3_target)
-    work = tmp_path / "work"
+    run_dir = tmp_path / "run"  # not the config's folder: inputs resolve there, outputs here
+    run_dir.mkdir()
+    work = run_dir / "work"
 
-    proc = _start(config)
+    proc = _start(config, run_dir)
     deadline = time.time() + 600
     while not (work / "train" / "_run.json").exists():
         assert proc.poll() is None, proc.stdout.read()
@@ -103,7 +110,7 @@ def test_pipeline_killed_midway_then_resumed_completes(tmp_path, tiny_qwen3_targ
     proc.wait()
     assert manifest.read_manifest(str(work / "train")) is None  # killed before train finished
 
-    proc = _start(config)
+    proc = _start(config, run_dir)
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, output
     assert "data prepare: " in output and "nothing to do" in output  # finished stages are skipped
@@ -120,11 +127,54 @@ def test_pipeline_killed_midway_then_resumed_completes(tmp_path, tiny_qwen3_targ
     calibration = json.loads((work / "calibration" / "calibration.json").read_text())
     assert len(calibration["temperatures"]) == 4
     report = json.loads((work / "eval" / "report.json").read_text())
-    (dataset,) = report["datasets"]
-    assert dataset["new_tokens"] > 0 and 1.0 <= dataset["tau"] <= 4 + 1
+    assert [d["name"] for d in report["datasets"]] == ["eval", "demo_eval_gsm8k"]  # + the bundled set
+    for dataset in report["datasets"]:
+        assert dataset["new_tokens"] > 0 and 1.0 <= dataset["tau"] <= 4 + 1
+        assert dataset["conversations"] == 2
     assert report["calibration"]  # the pipeline hands calibrate's file to eval
 
-    rerun = _start(config)
+    rerun = _start(config, run_dir)
     output, _ = rerun.communicate(timeout=300)
     assert rerun.returncode == 0, output
     assert output.count("nothing to do") == len(STAGE_DIRS), output
+
+    _check_report(config, run_dir, work, report, calibration)
+
+
+def _check_report(config: Path, run_dir: Path, work: Path, report: dict, calibration: dict) -> None:
+    """`dspark pipeline report` gives back what the stages committed, figure for figure."""
+    proc = _report(config, run_dir, "--json")
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(proc.stdout)
+    seconds = {s["stage"]: s["seconds"] for s in figures["stages"]}
+    for stage, stage_dir in zip(("prepare", "regen", "cache", "train", "calibrate", "eval"), STAGE_DIRS,
+                                strict=True):
+        assert seconds[stage] == manifest.read_manifest(str(work / stage_dir))["timings"]["wall_seconds"]
+    assert [(d["name"], d["tau"], d["speedup"]) for d in figures["eval"]["datasets"]] == [
+        (d["name"], d["tau"], d["tokens_per_second"]["speedup"]) for d in report["datasets"]]
+    assert figures["eval"]["datasets"][0]["conditional"] == \
+        report["datasets"][0]["position_acceptance"]["conditional"]
+    assert (figures["calibration"]["ece_before"], figures["calibration"]["ece_after"]) == (
+        calibration["ece_before"], calibration["ece_after"])
+    assert sorted(figures["plots"]) == sorted(
+        [str(work / "calibration" / "reliability.png"), str(work / "eval" / "acceptance.png"),
+         str(work / "eval" / "threshold_sweep.png")])
+
+    proc = _report(config, run_dir)
+    text = proc.stdout
+    assert proc.returncode == 0, proc.stderr
+    first = report["datasets"][0]
+    assert f"{first['tau']:.2f}" in text and "speed-up" in text
+    assert f"{calibration['ece_before']:.2%} → {calibration['ece_after']:.2%}" in text
+    assert f"plot: {work / 'eval' / 'acceptance.png'}" in text
+
+    # The outputs belong to the directory the pipeline ran in: from the config's folder there are none.
+    proc = _report(config, config.parent)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ")
+    assert "no stage has finished" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _report(config: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dspark_cli.cli", "pipeline", "report", str(config), *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, COLUMNS="200"))

@@ -26,9 +26,16 @@ ConfigArg = Annotated[str, typer.Argument(help="Pipeline TOML, e.g. pipelines/qw
 
 @pipeline_app.command("show")
 def show(config: ConfigArg, set_: SetOpt = None) -> None:
-    """Print the resolved config (file + --set overrides + defaults) as JSON."""
+    """Print the resolved config (file + --set overrides + defaults) as JSON on stdout, and every
+    path it names — inputs, work dir, stage outputs — resolved, on stderr."""
+    from ..pipeline import resolved_paths
+
     cfg = load(config, set_)
     out.print_json(json.dumps(cfg.to_dict()))
+    console.print("paths (a config's relative inputs: from its folder; outputs: from this directory)",
+                  soft_wrap=True)
+    for key, path in resolved_paths(cfg):
+        console.print(f"  {key:<20} {path}", soft_wrap=True, highlight=False, markup=False)
 
 
 @pipeline_app.command("run")

@@ -21,6 +21,9 @@ class Section:
     """Base for config sections; subclasses set `name` and may override `validate`."""
 
     name: ClassVar[str] = ""
+    #: Keys that name input files, with their kind (`paths.resolve`): a config file's relative
+    #: paths resolve against its folder, `package://` against the installed package.
+    input_paths: ClassVar[dict[str, str]] = {}
 
     def validate(self) -> None:
         """Range checks; raise ConfigError naming the key."""

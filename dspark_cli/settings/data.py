@@ -10,6 +10,7 @@ from .base import Section
 @dataclass
 class DataSettings(Section):
     name = "data"
+    input_paths = {"source": "source"}
     #: Hugging Face dataset id, or local JSONL / JSON / Parquet file(s) (comma-separated or glob).
     source: str = "mlabonne/open-perfectblend"
     #: Dataset split when `source` is a hub dataset.

@@ -10,6 +10,7 @@ from .base import Section
 @dataclass
 class EvalSettings(Section):
     name = "eval"
+    input_paths = {"datasets": "paths", "drafter": "path", "sps": "path", "calibration": "path"}
     #: `{"turns": [...]}` JSONL files or prompt/response artifact URLs.
     datasets: list[str] = field(default_factory=list)
     #: Drafter: a train artifact, checkpoint dir or export folder ("" = pipeline.work_dir/train).

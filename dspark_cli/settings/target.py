@@ -12,6 +12,7 @@ from .base import Section
 @dataclass
 class TargetSettings(Section):
     name = "target"
+    input_paths = {"model": "model"}
     #: Local folder or hub id of a Transformers causal LM (safetensors weights).
     model: str = ""
     #: Hub revision, when `model` is a hub id.
