@@ -377,10 +377,10 @@ def regen(cfg: PipelineConfig, input_url: str | None = None, output_url: str | N
     extra = {"endpoints": s.endpoints, "model": s.model, "sampling": sampling_params(s),
              "api_key_env": s.api_key_env, "concurrency": s.concurrency, "batch_rows": s.batch_rows,
              "max_retries": s.max_retries, "row_schema": "response_row/v1"}
-    final = run.finish(totals, extra=extra, timings={"regen_seconds": round(counters.elapsed, 3),
-                                                     "requests_per_second": round(req_s, 3),
-                                                     "output_tokens_per_second": round(tok_s, 3)})
-    return completed(run, final, dict(totals))  # a reopened (--retry-errors) run counts as resumed
+    committed = run.finish(totals, extra=extra, timings={"regen_seconds": round(counters.elapsed, 3),
+                                                         "requests_per_second": round(req_s, 3),
+                                                         "output_tokens_per_second": round(tok_s, 3)})
+    return completed(run, committed, dict(totals))  # a reopened (--retry-errors) run counts as resumed
 
 
 def _refuse_unusable(run: manifest.StageRun, store: ResponseStore, totals: dict[str, Any],
