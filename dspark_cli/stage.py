@@ -61,8 +61,9 @@ def already_done(run: StageRun, summarise: Callable[[dict[str, Any]], dict[str, 
 
 def nothing_to_do(label: str, url: str, hint: str = "use --force to rebuild",
                   why: str = "is complete with this config and input") -> None:
-    """The one 'already done' line (stderr), for every stage and for `model convert`."""
-    console.print(f"[green]✓[/] {label}: {url} {why}; nothing to do ({hint}).")
+    """The one 'already done' line (stderr), for every stage and for `model convert`; never
+    wrapped, so logs and scripts can grep it whatever the terminal width."""
+    console.print(f"[green]✓[/] {label}: {url} {why}; nothing to do ({hint}).", soft_wrap=True)
 
 
 def say_if_done(result: StageResult, label: str, hint: str = "use --force to rebuild") -> bool:
