@@ -162,7 +162,7 @@ def preflight(cfg: PipelineConfig, stages: list[str]) -> None:
         except DsparkError as e:
             problems.append((stage, str(e), e.hint or ""))
 
-    todo = [st for st in stages if manifest.read_manifest(cfg.stage_url(STAGE_COMMANDS[st][1])) is None]
+    todo = [st for st in stages if manifest.read_manifest(stage_output(cfg, st)) is None]
     if "prepare" in todo and is_local_source(cfg.data.source):
         check("prepare", lambda: expand(cfg.data.source))
     if "regen" in todo and not cfg.regen.serve_target and not (cfg.regen.endpoints and cfg.regen.model):
@@ -179,7 +179,8 @@ def preflight(cfg: PipelineConfig, stages: list[str]) -> None:
         for url in cfg.eval.datasets:
             if url.endswith((".jsonl", ".json")) and not storage.exists(url):
                 problems.append(("eval", f"eval.datasets: {url}: file not found.",
-                                 "paths in a config are read from the directory you run dspark in."))
+                                 "a config file's relative paths are read from its folder, flags and --set "
+                                 "from the working directory (`dspark pipeline show` lists them)."))
     if problems:
         stage, problem, hint = problems[0]
         more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
