@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from .errors import DsparkError
 from .target import files
 
-EVAL_SETS = ["dspark_cli/resources/demo_eval_gsm8k.jsonl", "dspark_cli/resources/demo_eval_humaneval.jsonl"]
+#: Bundled with dspark, so the config finds them from anywhere (paths.py).
+EVAL_SETS = ["package://dspark_cli/resources/demo_eval_gsm8k.jsonl",
+             "package://dspark_cli/resources/demo_eval_humaneval.jsonl"]
 
 
 @dataclass
@@ -59,6 +61,12 @@ def _toml(value: object) -> str:
     return json.dumps(value)
 
 
+def _as_written(target: str) -> str:
+    """A local folder as an absolute path: the TOML's own relative paths are read from its folder,
+    not from where `pipeline new` ran; a hub id as it is."""
+    return os.path.abspath(target) if os.path.isdir(target) else target
+
+
 def new_config(target: str, work_dir: str | None = None) -> tuple[str, MaskChoice]:
     """The TOML text of a pipeline for `target` (a folder or hub id) and the mask token chosen."""
     from .target.model import load_tokenizer
@@ -78,13 +86,13 @@ def new_config(target: str, work_dir: str | None = None) -> tuple[str, MaskChoic
         f"work_dir = {_toml(work_dir)}   # every stage writes under here (a path, s3://…)",
         "",
         "[target]",
-        f"model = {_toml(target)}   # the model the drafter speeds up (folder or hub id)",
+        f"model = {_toml(_as_written(target))}   # the model the drafter speeds up (folder or hub id)",
         'layers = "auto"   # 5 layers spread over the depth; cache build resolves and records them',
         f"mask_token_id = {mask.token_id}   # {mask.reason}",
         "",
         "[data]",
         '# prompts to regenerate: a hub dataset id or local JSONL/JSON/Parquet (ShareGPT, OpenAI messages)',
-        'source = "dspark_cli/resources/demo_prompts.jsonl"',
+        'source = "package://dspark_cli/resources/demo_prompts.jsonl"',
         "",
         "[regen]",
         "serve_target = true   # `dspark serve` answers on this machine; for a GPU server, set false and",

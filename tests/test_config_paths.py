@@ -89,8 +89,10 @@ def test_a_missing_package_file_is_a_config_error_naming_it(tmp_path):
 def test_the_shipped_smollm2_configs_resolve_from_another_directory(tmp_path, monkeypatch):
     repo = Path(__file__).resolve().parent.parent
     monkeypatch.chdir(tmp_path)
-    for name in ("smollm2-135m.toml", "smollm2-135m-dflash.toml"):
-        cfg = load_config(repo / "pipelines" / name)
+    for path in sorted((repo / "pipelines").glob("*.toml")):  # every shipped config's eval sets
+        assert all(Path(d).is_file() for d in load_config(path).eval.datasets), path.name
+    for path in sorted((repo / "pipelines").glob("smollm2-*.toml")):
+        cfg = load_config(path)
         assert cfg.data.source == str(BUNDLED / "demo_prompts.jsonl")
         assert all(Path(d).is_file() and Path(d).parent == BUNDLED for d in cfg.eval.datasets)
         assert cfg.target.model == str(repo / "runs" / "models" / "smollm2-135m-instruct")
