@@ -75,8 +75,9 @@ def test_one_step_online_has_the_loss_of_one_step_from_the_cache(data, tiny_qwen
     responses, cache = data
     cfg = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=2"))
     from_cache = train(cfg, cache, str(tmp_path / "cache"),
-                       open_split=lambda split: CacheDataset(cache, split=split))
-    online = train(cfg, responses, str(tmp_path / "online"), open_split=OnlineSource(cfg, responses).open)
+                       open_split=lambda split: CacheDataset(cache, split=split)).manifest
+    online = train(cfg, responses, str(tmp_path / "online"),
+                   open_split=OnlineSource(cfg, responses).open).manifest
     a, b = metrics(str(tmp_path / "cache")), metrics(str(tmp_path / "online"))
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
     for ra, rb in zip(a, b, strict=True):
