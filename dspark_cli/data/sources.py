@@ -143,6 +143,13 @@ def _hub_error(dataset_id: str, split: str, e: Exception) -> DsparkError:
 def read_hub(dataset_id: str, split: str) -> Iterator[RawRow]:
     """Open a hub dataset as a stream now (so an unreachable hub fails before any output is
     written) and return its rows; one clear line when it cannot be reached."""
+    from .. import hub
+
+    if not hub.offline() and not hub.reachable():  # fail now, not after the hub client's retries
+        raise DsparkError(f"data.source '{dataset_id}': not a local file, and the Hugging Face hub is "
+                          "unreachable from here.",
+                          hint="pass local files (--source 'data/*.jsonl'), or set HF_HUB_OFFLINE=1 to read "
+                               "the dataset from the local cache.")
     try:
         import datasets
 
