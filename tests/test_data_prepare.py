@@ -209,7 +209,8 @@ def test_cli_prepare_and_one_line_errors(tmp_path):
     again = _cli("data", "prepare", "--source", str(src), "--output", str(out), "--val-fraction", "0.5")
     assert again.returncode == 0 and "nothing to do" in again.stderr
     bad = _cli("data", "prepare", "--source", str(src), "--output", str(out), "--val-fraction", "1.5")
-    assert bad.returncode == 2 and bad.stderr.startswith("error: data.val_fraction must be in [0, 1)")
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("error: --val-fraction: data.val_fraction must be in [0, 1)")
     conflict = _cli("data", "prepare", "--source", str(src), "--output", str(out), "--val-fraction", "0.1")
     assert conflict.returncode == 2
     assert "data.val_fraction" in conflict.stderr and "--force" in conflict.stderr
