@@ -6,13 +6,20 @@ import numpy as np
 import pytest
 
 from dspark_cli.decode.calibrate import (
+    BOUNDARY,
+    FITTED,
+    TOO_FEW,
     RoundRecords,
     apply_temperatures,
     brier,
+    calibration_file,
+    cross_fit,
     ece,
     fit_sts,
+    position_ece,
     roc_auc,
     scale,
+    summary,
     temperature_grid,
 )
 from dspark_cli.decode.plots import reliability_plot
@@ -39,14 +46,17 @@ def test_scale_and_temperature_grid():
     assert 1.0 in grid and grid[0] == pytest.approx(0.1) and grid[-1] == pytest.approx(10)
 
 
-def _overconfident(n: int = 3000, gamma: int = 4, power: float = 3.0, seed: int = 0) -> RoundRecords:
-    """True per-slot acceptance q; the head reports σ(power·logit(q)): overconfident by `power`."""
+def _overconfident(n: int = 3000, gamma: int = 4, power: float = 3.0, seed: int = 0,
+                   q_range: tuple[float, float] = (0.2, 0.97), per_conversation: int = 10) -> RoundRecords:
+    """True per-slot acceptance q; the head reports σ(power·logit(q)): overconfident by `power`.
+    Rounds come `per_conversation` at a time from one conversation."""
     rng = np.random.default_rng(seed)
-    q = rng.uniform(0.2, 0.97, (n, gamma))
+    q = rng.uniform(*q_range, (n, gamma))
     accepted_slot = rng.random((n, gamma)) < q
     accepted = np.argmin(np.concatenate([accepted_slot, np.zeros((n, 1), bool)], 1), axis=1)
     raw = scale(q, [1 / power] * gamma)
-    return RoundRecords(raw, np.full(n, gamma), accepted)
+    groups = np.array([f"c{i // per_conversation}" for i in range(n)], dtype=object)
+    return RoundRecords(raw, np.full(n, gamma), accepted, groups)
 
 
 def test_sts_recovers_temperature_lowers_ece_and_keeps_order():
@@ -84,3 +94,118 @@ def test_reliability_plot_writes_png(memory_url):
     url = memory_url + "/rel.png"
     reliability_plot(rec, [2.0, 2.0, 2.0, 2.0], url)
     assert storage.read_bytes(url)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_position_with_few_prefixes_keeps_t1_where_an_unguarded_fit_runs_to_the_grid_edge():
+    # The demo's failure: slots 3-4 almost never accepted, so their few labels are nearly all 0.
+    rec = _overconfident(n=600, gamma=4, power=1.0, seed=3, q_range=(0.05, 0.6))
+    counts = [int(rec.prefix_accepted()[:, k].sum()) for k in range(rec.gamma)]
+    assert counts[0] >= 30 and counts[3] < 30
+    unguarded = fit_sts(rec, t_min=0.05, t_max=10.0, t_steps=120, min_prefixes=1)
+    assert unguarded.status[3] == BOUNDARY or unguarded.temperatures[3] < 0.2  # what it did before
+    fit = fit_sts(rec, t_min=0.05, t_max=10.0, t_steps=120, min_prefixes=30)
+    for k, n in enumerate(counts):
+        if n < 30:
+            assert fit.temperatures[k] == 1.0 and fit.status[k] == TOO_FEW and not fit.fitted[k]
+    assert fit.status[0] == FITTED and fit.per_position[0]["fitted"]
+    assert fit.per_position[3]["accepted_prefixes"] == counts[3]
+
+
+def test_temperature_on_the_grid_edge_is_not_shipped():
+    # Perfectly separable slot: the ECE keeps falling as T → 0 (confidences → 0/1), so the
+    # best grid point is the floor; that is a degenerate fit, not a temperature.
+    rng = np.random.default_rng(0)
+    n = 400
+    accepted = (np.arange(n) % 10 < 7).astype(np.int64)  # 70% accepted
+    conf = np.stack([np.where(accepted == 1, rng.uniform(0.55, 0.9, n), rng.uniform(0.1, 0.45, n)),
+                     np.full(n, 0.5)], axis=1)
+    rec = RoundRecords(conf, np.full(n, 2), accepted)
+    fit = fit_sts(rec, t_min=0.05, t_max=10.0, t_steps=60, min_prefixes=30)
+    assert fit.status[0] == BOUNDARY and fit.temperatures[0] == 1.0
+    grid = temperature_grid(0.05, 10.0, 60)
+    assert all(t == 1.0 or grid[0] < t < grid[-1] for t in fit.temperatures)
+
+
+def test_folds_split_by_conversation_and_alternate():
+    rec = _overconfident(n=95, per_conversation=10)
+    a, b = rec.folds()
+    assert a.sum() + b.sum() == 95 and not (a & b).any()
+    assert not set(rec.groups[a]) & set(rec.groups[b])
+    assert set(rec.groups[a]) == {f"c{i}" for i in range(0, 10, 2)}
+    halves = RoundRecords(rec.confidences, rec.verified, rec.accepted).folds()[0]
+    assert halves.tolist() == [i < 47 for i in range(95)]
+
+
+def test_cross_fit_scores_each_fold_with_the_other_folds_temperatures():
+    rec = _overconfident(n=2000, power=2.5, seed=5)
+    cross = cross_fit(rec, t_min=0.1, t_max=10.0, t_steps=80)
+    a, b = rec.folds()
+    for fit_on, temps in ((a, cross.fold_temperatures[0]), (b, cross.fold_temperatures[1])):
+        assert temps == fit_sts(rec.subset(fit_on), t_min=0.1, t_max=10.0, t_steps=80).temperatures
+    ea, na = position_ece(rec.subset(a), cross.fold_temperatures[1])
+    eb, nb = position_ece(rec.subset(b), cross.fold_temperatures[0])
+    assert cross.ece_after == pytest.approx(((ea * na + eb * nb) / (na + nb)).tolist())
+    assert cross.samples == (na + nb).tolist() and cross.fold_rounds == [int(a.sum()), int(b.sum())]
+    assert cross.fold_conversations == [100, 100]
+    # Out of sample STS still helps an overconfident head, but less than in sample says.
+    fit = fit_sts(rec, t_min=0.1, t_max=10.0, t_steps=80)
+    assert cross.pooled_after < 0.5 * cross.pooled_before
+    assert cross.pooled_after > fit.ece_after
+    assert cross_fit(rec.subset(rec.groups == "c0")) is None  # one conversation: no second fold
+
+
+def test_calibration_file_has_sglangs_keys_and_types_and_leads_with_out_of_sample(memory_url):
+    from dspark_cli import storage
+    from dspark_cli.decode.stages import load_calibration
+    from dspark_cli.schemas import validate
+
+    rec = _overconfident(n=800, gamma=4, power=2.0, seed=2)
+    fit, cross = fit_sts(rec), cross_fit(rec)
+    obj = calibration_file(fit, cross, dataset="runs/x/prompts", extra={"block_size": 4})
+    url = memory_url + "/calibration.json"
+    storage.write_json(url, obj)
+    obj = storage.read_json(url)
+    # SGLang's DSparkStsCalibration (msgspec, strict): exactly these types, one entry per position.
+    assert type(obj["dataset"]) is str and type(obj["num_samples"]) is int and obj["num_samples"] == 800
+    for key in ("temperatures", "ece_before", "ece_after"):
+        assert type(obj[key]) is list and len(obj[key]) == 4
+        assert all(type(x) is float for x in obj[key]), key
+    assert all(t > 0 for t in obj["temperatures"])
+    assert obj["temperatures"] == fit.temperatures  # shipped: fitted on all rounds
+    assert obj["ece_after"] == pytest.approx(cross.ece_after) and obj["ece_source"] == "cross_fit"
+    assert obj["pooled_ece_after"] == pytest.approx(cross.pooled_after)
+    assert obj["in_sample"]["pooled_ece_after"] == pytest.approx(fit.ece_after)
+    assert obj["fitted"] == fit.fitted and obj["cross_fit"]["temperatures"] == cross.fold_temperatures
+    validate(obj, "calibration")
+    assert load_calibration(url, gamma=4) == fit.temperatures
+    s = summary(obj)
+    assert s["out_of_sample"] and s["ece_after"] == obj["pooled_ece_after"]
+    # Without a second fold the lists are the in-sample ones, and the file says so.
+    alone = calibration_file(fit, None, dataset="d", extra={})
+    assert alone["ece_source"] == "in_sample" and not summary(alone)["out_of_sample"]
+    validate(alone, "calibration")
+
+
+def test_previous_release_file_still_reads_and_a_mismatched_list_is_refused(memory_url):
+    from dspark_cli import storage
+    from dspark_cli.decode.stages import load_calibration
+    from dspark_cli.errors import DsparkError
+
+    v1 = {"temperatures": [0.96, 1.04, 1.1], "dataset": "runs/x/prompts", "num_samples": 120,
+          "ece_before": 0.0276, "ece_after": 0.0247, "schema_version": 1, "block_size": 3,
+          "drafter": "runs/x/train", "temperature": 1.0,
+          "grid": {"t_min": 0.05, "t_max": 10.0, "t_steps": 200, "ece_bins": 15},
+          "per_position": [{"position": 1, "temperature": 0.96, "samples": 120, "prefix_acceptance": 0.4,
+                            "ece_before": 0.09, "ece_after": 0.08, "brier_before": 0.2, "brier_after": 0.2,
+                            "roc_auc_before": 0.7, "roc_auc_after": 0.7}]}
+    storage.write_json(memory_url + "/v1.json", v1)
+    assert load_calibration(memory_url + "/v1.json", gamma=3) == [0.96, 1.04, 1.1]
+    assert summary(v1) == {"ece_before": 0.0276, "ece_after": 0.0247, "out_of_sample": False,
+                           "in_sample_after": 0.0247, "fitted": [True, True, True]}
+    v2 = calibration_file(fit_sts(_overconfident(n=300, gamma=3)), None, dataset="d", extra={})
+    storage.write_json(memory_url + "/bad.json", {**v2, "ece_after": [0.1, 0.2]})
+    with pytest.raises(DsparkError, match="ece_after has 2 positions"):
+        load_calibration(memory_url + "/bad.json")
+    storage.write_json(memory_url + "/number.json", {**v2, "ece_after": 0.1})  # v2 with v1's number
+    with pytest.raises(DsparkError, match="ece_after"):
+        load_calibration(memory_url + "/number.json")

@@ -51,9 +51,14 @@ def calibrate_cmd(
         out.print(f"calibrate: skipped ({summary['skipped']}) → {output}")
         return
     _engines(drafter_url)
-    temps = ", ".join(f"{t:.3f}" for t in summary["temperatures"])
-    out.print(f"temperatures: [{temps}]  ECE {summary['ece_before']:.4f} → {summary['ece_after']:.4f} "
-              f"({summary['num_samples']} rounds) → {summary['calibration']}")
+    temps = ", ".join(f"{t:.3f}" if fit else f"({t:.0f})"
+                      for t, fit in zip(summary["temperatures"], summary["fitted"], strict=True))
+    where = "out of sample (cross-fitted)" if summary["ece_source"] == "cross_fit" else "in sample"
+    out.print(f"temperatures: [{temps}]  ECE {where} {summary['ece_before']:.4f} → "
+              f"{summary['ece_after']:.4f} ({summary['num_samples']} rounds) → {summary['calibration']}")
+    if not all(summary["fitted"]):
+        out.print("  (1) = too few accepted or rejected prefixes to fit, or the best T on the grid's edge: "
+                  "kept at 1")
 
 
 def _engines(drafter_url: str) -> None:

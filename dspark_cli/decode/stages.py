@@ -23,7 +23,7 @@ from ..target import identity
 from ..target.layers import agree_layers
 from ..target.model import Target
 from . import plots
-from .calibrate import RoundRecords, fit_sts
+from .calibrate import RoundRecords, calibration_file, cross_fit, fit_sts
 from .prompts import dataset_name, load_conversations
 from .report import dataset_report, records
 from .scheduler import Scheduler
@@ -63,9 +63,14 @@ def drafter_block_size(cfg: PipelineConfig, drafter_url: str) -> int:
 
 
 def load_calibration(url: str, gamma: int | None = None) -> list[float]:
+    """T_1..T_γ of an STS file, this release's (v2) or the previous one's (v1)."""
     obj = storage.read_json(url)
     validate(obj, "calibration", where=url)
     temps = [float(t) for t in obj["temperatures"]]
+    for key in ("ece_before", "ece_after"):  # v2's per-position lists (v1 wrote pooled numbers)
+        if isinstance(obj[key], list) and len(obj[key]) != len(temps):
+            raise DsparkError(f"{url}: {key} has {len(obj[key])} positions but there are {len(temps)} "
+                              "temperatures.", hint="rewrite it with `dspark calibrate --force`.")
     if gamma is not None and len(temps) != gamma:
         raise DsparkError(f"{url}: {len(temps)} temperatures, but the drafter drafts γ = {gamma} tokens.",
                           hint="calibrate this drafter with `dspark calibrate`.")
@@ -189,31 +194,35 @@ def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_ur
         run.abandon()  # nothing usable: the rerun with more or other prompts starts afresh
         raise StageFailed(f"{dataset_url}: decoding produced no rounds to calibrate on.",
                           hint="pass more or longer prompts (--set calibrate.num_prompts=…).")
-    fit = fit_sts(rec, cal.t_min, cal.t_max, cal.t_steps, cal.ece_bins)
-    result = {
-        "temperatures": fit.temperatures, "dataset": dataset_url, "num_samples": fit.num_samples,
-        "ece_before": fit.ece_before, "ece_after": fit.ece_after,
-        "schema_version": 1, "block_size": rec.gamma, "drafter": drafter_url, "temperature": cal.temperature,
+    grid = {"t_min": cal.t_min, "t_max": cal.t_max, "t_steps": cal.t_steps, "bins": cal.ece_bins,
+            "min_prefixes": cal.min_prefixes}
+    fit = fit_sts(rec, **grid)
+    cross = cross_fit(rec, **grid)
+    result = calibration_file(fit, cross, dataset=dataset_url, extra={
+        "block_size": rec.gamma, "drafter": drafter_url, "temperature": cal.temperature,
         "grid": {"t_min": cal.t_min, "t_max": cal.t_max, "t_steps": cal.t_steps, "ece_bins": cal.ece_bins},
-        "per_position": fit.per_position,
-    }
+        "min_prefixes": cal.min_prefixes})
     result = _finite(result)
     validate(result, "calibration", where=storage.join(output_url, "calibration.json"))
     plots.reliability_plot(rec, fit.temperatures, storage.join(output_url, "reliability.png"), cal.ece_bins)
     storage.write_json(storage.join(output_url, "calibration.json"), result)
     final = run.finish({"rounds": fit.num_samples, "conversations": len(convs)},
-                       extra={"temperatures": fit.temperatures, "ece_before": result["ece_before"],
-                              "ece_after": result["ece_after"]})
+                       extra={"temperatures": fit.temperatures, "fitted": fit.fitted,
+                              "ece_before": result["pooled_ece_before"],
+                              "ece_after": result["pooled_ece_after"], "ece_source": result["ece_source"]})
     return completed(run, final, calibration_summary(output_url, final))
 
 
 def calibration_summary(output_url: str, found: dict[str, Any]) -> dict[str, Any]:
-    """What `dspark calibrate` prints, from its manifest: the fitted temperatures and ECE."""
+    """What `dspark calibrate` prints, from its manifest: the fitted temperatures and the pooled ECE
+    (out of sample when ece_source is cross_fit; manifests of the previous release: in sample)."""
     extra = found["extra"]
     if "skipped" in extra:
         return {"skipped": extra["skipped"]}
     return {"temperatures": extra["temperatures"], "ece_before": extra["ece_before"],
             "ece_after": extra["ece_after"], "num_samples": found["counts"]["rounds"],
+            "fitted": extra.get("fitted", [True] * len(extra["temperatures"])),
+            "ece_source": extra.get("ece_source", "in_sample"),
             "calibration": storage.join(output_url, "calibration.json")}
 
 

@@ -28,12 +28,18 @@ def _parent(url: str) -> str:
     return url.rstrip("/").rsplit("/", 1)[0]
 
 
-def _mean(x: Any) -> float | None:
-    """The pooled figure of a calibration field: a number (first release) or a per-position list."""
-    if isinstance(x, list):
-        vals = [v for v in x if isinstance(v, int | float)]
-        return sum(vals) / len(vals) if vals else None
-    return x if isinstance(x, int | float) else None
+def _ece_line(cal: dict[str, Any]) -> str:
+    """The pooled ECE as calibrate reports it (out of sample when cross-fitted), or ''."""
+    from ..decode.calibrate import summary
+
+    try:
+        s = summary(cal)
+    except (KeyError, TypeError):
+        return ""
+    if not all(isinstance(s[k], int | float) for k in ("ece_before", "ece_after")):
+        return ""
+    where = " out of sample (cross-fitted)" if s["out_of_sample"] else ""
+    return f"; ECE{where} {s['ece_before']:.4f} → {s['ece_after']:.4f}"
 
 
 def sibling_artifacts(export_url: str) -> dict[str, str]:
@@ -84,8 +90,7 @@ def _results(lines: list[str], cal: dict[str, Any] | None, report: dict[str, Any
         lines.append("- no `dspark eval` report beside this export yet")
     if cal and "temperatures" in cal:
         temps = ", ".join(f"{t:.3g}" for t in cal["temperatures"])
-        before, after = _mean(cal.get("ece_before")), _mean(cal.get("ece_after"))
-        ece = f"; ECE {before:.4f} → {after:.4f}" if before is not None and after is not None else ""
+        ece = _ece_line(cal)
         lines.append(f"- calibration (STS): T = [{temps}] over {cal.get('num_samples', '?')} rounds{ece}")
     else:
         lines.append("- calibration: none (no confidence head, or `dspark calibrate` not run)")

@@ -28,6 +28,9 @@ class CalibrateSettings(Section):
     t_steps: int = 200
     #: Bins of the expected calibration error.
     ece_bins: int = 15
+    #: A position is fitted only with at least this many accepted and as many rejected prefixes
+    #: (fewer: T = 1, the head as trained); docs/eval.md shows the measurement behind 30.
+    min_prefixes: int = 30
     seed: int = 0
 
     def validate(self) -> None:
@@ -41,6 +44,8 @@ class CalibrateSettings(Section):
             self.fail("t_min", "must be > 0 and below calibrate.t_max.")
         if self.t_steps < 2:
             self.fail("t_steps", f"must be >= 2, got {self.t_steps}.")
+        if self.min_prefixes < 1:
+            self.fail("min_prefixes", f"must be >= 1, got {self.min_prefixes}.")
         if self.ece_bins < 2:
             self.fail("ece_bins", f"must be >= 2, got {self.ece_bins}.")
         if self.split not in ("train", "validation"):
