@@ -73,13 +73,52 @@ def macro_ratio_interval(numerator: list[np.ndarray], denominator: list[np.ndarr
     return float(low), float(high)
 
 
+def per_conversation(stats: DecodeStats) -> dict[str, list]:
+    """Rounds and accepted draft tokens summed per conversation (first-appearance order): what a
+    bootstrap over conversations, the unit that is independent, resamples."""
+    rounds: dict[str, int] = {}
+    accepted: dict[str, int] = {}
+    for r in stats.rounds:
+        rounds[r.conversation] = rounds.get(r.conversation, 0) + 1
+        accepted[r.conversation] = accepted.get(r.conversation, 0) + r.accepted
+    ids = list(rounds)
+    return {"ids": ids, "rounds": [rounds[i] for i in ids], "accepted": [accepted[i] for i in ids]}
+
+
+def conversation_ratio_interval(numerator: list[dict[str, list]], denominator: list[dict[str, list]],
+                                draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% paired bootstrap interval of macro τ(numerator) / macro τ(denominator).
+
+    One `per_conversation` record per dataset and side. Each draw resamples every dataset's
+    conversations with replacement, the same ones for both sides (both drafters decoded the same
+    prompts, so pairing removes the prompts' own difficulty from the spread); τ of a resample is
+    (Σ accepted + Σ rounds) / Σ rounds, as the report's τ. Conversations only one side decoded are
+    dropped.
+    """
+    rng = np.random.default_rng(seed)
+    macro_num, macro_den = np.zeros(draws), np.zeros(draws)
+    for num, den in zip(numerator, denominator, strict=True):
+        index = {c: i for i, c in enumerate(den["ids"])}
+        common = [(i, index[c]) for i, c in enumerate(num["ids"]) if c in index]
+        if not common:
+            raise ValueError("the two reports share no conversation in one dataset.")
+        a, b = (np.array(x) for x in zip(*common, strict=True))
+        pick = rng.integers(0, len(common), (draws, len(common)))  # [draws, n]
+        for side, rows, out in ((num, a, macro_num), (den, b, macro_den)):
+            r = np.asarray(side["rounds"], dtype=np.float64)[rows][pick].sum(axis=1)
+            acc = np.asarray(side["accepted"], dtype=np.float64)[rows][pick].sum(axis=1)
+            out += (acc + r) / np.maximum(r, 1.0) / len(numerator)
+    low, high = np.percentile(macro_num / macro_den, [2.5, 97.5])
+    return float(low), float(high)
+
+
 def records(stats: DecodeStats) -> RoundRecords | None:
     """Rounds that carry confidences, in the form calibration and the sweep read."""
     rows = [r for r in stats.rounds if r.confidences is not None]
     if not rows:
         return None
     return RoundRecords.from_lists([r.confidences for r in rows], [r.verified for r in rows],
-                                   [r.accepted for r in rows])
+                                   [r.accepted for r in rows], [r.conversation for r in rows])
 
 
 def threshold_sweep(stats: DecodeStats, thresholds: list[float],
@@ -145,6 +184,7 @@ def dataset_report(name: str, url: str, conversations: int, stats: DecodeStats,
         "accepted": accepted,
         "acceptance_rate": accepted / verified if verified else None,
         "position_acceptance": position_acceptance(stats),
+        "per_conversation": per_conversation(stats),
         "tokens_per_second": {"speculative": spec_tps, "target_only": base_tps,
                               "speedup": spec_tps / base_tps if spec_tps and base_tps else None,
                               "speculative_seconds": stats.seconds,

@@ -40,11 +40,13 @@ DEFAULT_DRAFT_TOP_K = EvalSettings.draft_top_k
 
 @dataclass
 class RoundLog:
-    """One request's round: γ drafted, ℓ verified, a accepted, the raw slot confidences."""
+    """One request's round: γ drafted, ℓ verified, a accepted, the raw slot confidences, and
+    the conversation it belongs to (calibration cross-fits and eval bootstraps by conversation)."""
 
     verified: int
     accepted: int
     confidences: list[float] | None
+    conversation: str = ""
 
 
 @dataclass
@@ -265,7 +267,7 @@ class SpeculativeDecoder:
         for req, d, n, a, t, conf in zip(requests, drafted, lengths, accepted, next_token,
                                          raw or [None] * len(requests), strict=True):
             req.ids.extend([*d[:a], t])
-            stats.rounds.append(RoundLog(n, a, conf))
+            stats.rounds.append(RoundLog(n, a, conf, req.conv.id))
             emitted += a + 1
         watch.lap("accept")
         kept = [hidden[i, :k].to(torch.bfloat16) for i, k in enumerate(keep)]  # stored as the cache does
