@@ -14,6 +14,11 @@ does (same drafter, prompts, seed and full verification), then compares, on the 
 Both are scored in-sample (what calibration.json reports) and cross-fitted: fit on one half of
 the rounds, score the other half, both ways round. The halves have half the rounds, so their ECE
 floor is higher. Platt is measured here only; the calibrate stage still fits STS (DESIGN.md §4).
+
+    .venv/bin/python benchmarks/bench_calibration.py --threshold-study
+
+measures, on synthetic rounds, how many accepted (and rejected) prefixes a position needs before
+its fitted T helps more often than it hurts: the evidence behind `calibrate.min_prefixes`.
 """
 
 from __future__ import annotations
@@ -23,7 +28,15 @@ import sys
 
 import numpy as np
 
-from dspark_cli.decode.calibrate import RoundRecords, ece, fit_sts, logit, scale
+from dspark_cli.decode.calibrate import (
+    BOUNDARY,
+    RoundRecords,
+    ece,
+    fit_sts,
+    fit_temperatures,
+    logit,
+    scale,
+)
 
 SLOPES = np.geomspace(0.1, 10.0, 41)
 OFFSETS = np.linspace(-3.0, 3.0, 61)
@@ -97,12 +110,48 @@ def fmt(per: np.ndarray) -> str:
     return " ".join(f"{100 * e:.1f}" for e in per)
 
 
+def threshold_study(draws: int = 150, seed: int = 0) -> None:
+    """One slot; true acceptance q ~ Beta around a base rate; the head reports σ(power·logit q).
+    Fit T (no minimum) on rounds holding m prefixes of the rarer outcome, score on 40 000 fresh
+    rounds: how often the fit is worse than the raw head, its median ECE change, grid-edge fits."""
+    rng = np.random.default_rng(seed)
+
+    def draw(n: int, rate: float, power: float) -> tuple[np.ndarray, np.ndarray]:
+        a, b = (2 * rate / (1 - rate), 2.0) if rate < 0.5 else (2.0, 2 * (1 - rate) / rate)
+        q = rng.beta(a, b, n)
+        return scale(q[:, None], [1 / power]), rng.random(n) < q
+
+    print("base rate, head power, m (rarer prefixes): P(STS worse than raw), median ECE change, edge fits")
+    for rate in (0.1, 0.3):
+        for power in (1.0, 1.5):
+            test_conf, test_labels = draw(40_000, rate, power)
+            raw = ece(test_conf[:, 0], test_labels)
+            for m in (5, 10, 20, 30, 50, 100):
+                n = int(m / min(rate, 1 - rate))
+                change, worse, edge = [], 0, 0
+                for _ in range(draws):
+                    conf, labels = draw(n, rate, power)
+                    temps, status = fit_temperatures(RoundRecords(conf, np.ones(n, int), labels.astype(int)),
+                                                     min_prefixes=1)
+                    after = ece(scale(test_conf, temps)[:, 0], test_labels)
+                    change.append(after - raw)
+                    worse += after > raw
+                    edge += status[0] == BOUNDARY
+                print(f"  {rate:.1f}, ×{power:.1f}, m={m:3d} (n={n:4d}): P(worse) {worse / draws:.2f}, "
+                      f"median {100 * np.median(change):+.1f} pt, edge {edge / draws:.2f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="pipelines/smollm2-135m.toml")
     ap.add_argument("--work", default="runs/smollm2-135m-dspark", help="Work root with prompts/.")
     ap.add_argument("--drafter", default="runs/smollm2-135m-dspark/train-bench-dspark")
+    ap.add_argument("--threshold-study", action="store_true",
+                    help="Only the synthetic study behind calibrate.min_prefixes.")
     args = ap.parse_args()
+    if args.threshold_study:
+        threshold_study()
+        return
     from dspark_cli.errors import DsparkError
 
     try:

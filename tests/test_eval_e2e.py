@@ -122,6 +122,9 @@ def test_eval_cli_writes_report_and_skips_when_done(trained, tiny_qwen3_target, 
     assert all(a <= n for a, n in zip(pa["accepted"], pa["reached"], strict=True))
     assert d["tokens_per_second"]["speculative"] > 0 and d["tokens_per_second"]["target_only"] > 0
     assert [s["threshold"] for s in d["threshold_sweep"]][:2] == [0.05, 0.1]
+    conv = d["per_conversation"]
+    assert len(conv["ids"]) == 2 and sum(conv["rounds"]) == d["rounds"]
+    assert sum(conv["accepted"]) == d["accepted"]
     assert storage.read_bytes(f"{output}/acceptance.png")[:4] == b"\x89PNG"
     assert storage.read_bytes(f"{output}/threshold_sweep.png")[:4] == b"\x89PNG"
     assert manifest.read_manifest(output)["counts"]["datasets"] == 1
@@ -144,10 +147,15 @@ def test_calibrate_then_eval_with_calibration_sps_and_scheduler(trained, tiny_qw
     result = storage.read_json(cal_url + "/calibration.json")
     validate(result, "calibration")
     assert calibrated.state == "fresh" and calibrated.summary == {
-        "temperatures": result["temperatures"], "ece_before": result["ece_before"],
-        "ece_after": result["ece_after"], "num_samples": result["num_samples"],
-        "calibration": cal_url + "/calibration.json"}
-    assert len(result["temperatures"]) == 4 and result["ece_after"] <= result["ece_before"] + 1e-9
+        "temperatures": result["temperatures"], "ece_before": result["pooled_ece_before"],
+        "ece_after": result["pooled_ece_after"], "num_samples": result["num_samples"],
+        "fitted": result["fitted"], "ece_source": "cross_fit", "calibration": cal_url + "/calibration.json"}
+    assert len(result["temperatures"]) == 4
+    assert all(type(x) is float for k in ("temperatures", "ece_before", "ece_after") for x in result[k])
+    assert len(result["ece_before"]) == len(result["ece_after"]) == 4
+    assert result["ece_source"] == "cross_fit" and result["cross_fit"]["conversations"] == [2, 2]
+    assert result["in_sample"]["pooled_ece_after"] <= result["in_sample"]["pooled_ece_before"] + 1e-9
+    assert len(result["fitted"]) == 4
     assert storage.read_bytes(cal_url + "/reliability.png")[:4] == b"\x89PNG"
     assert storage.read_json(cal_url + "/calibration.json")["num_samples"] == result["num_samples"]
 
