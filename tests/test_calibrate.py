@@ -178,6 +178,9 @@ def test_calibration_file_has_sglangs_keys_and_types_and_leads_with_out_of_sampl
     assert obj["fitted"] == fit.fitted and obj["cross_fit"]["temperatures"] == cross.fold_temperatures
     validate(obj, "calibration")
     assert load_calibration(url, gamma=4) == fit.temperatures
+    from dspark_cli.model.engine_check import check_sts
+
+    assert check_sts(obj, 4) == []  # what `dspark export check` says SGLang would do with it
     s = summary(obj)
     assert s["out_of_sample"] and s["ece_after"] == obj["pooled_ece_after"]
     # Without a second fold the lists are the in-sample ones, and the file says so.
