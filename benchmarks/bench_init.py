@@ -25,9 +25,13 @@ CFG = "pipelines/smollm2-135m.toml"
 TARGET = "runs/models/smollm2-135m-instruct"
 
 TRAIN_WITH_GAIN = """
-import sys
-from dspark_cli.model import drafter
-drafter.FINAL_NORM_GAIN = float(sys.argv[1])
+import sys, torch
+from dspark_cli.model.drafter import DSparkDrafter
+original = DSparkDrafter._init_weights
+def init(self):
+    original(self)
+    torch.nn.init.constant_(self.norm.weight, float(sys.argv[1]))
+DSparkDrafter._init_weights = init
 from dspark_cli.cli import main
 main(sys.argv[2:])
 """

@@ -27,9 +27,6 @@ from .config import DrafterConfig
 from .draw import DraftDist, draw
 from .heads import ConfidenceHead, MarkovHead
 
-#: Initial gain of the final norm of a fresh drafter (see DSparkDrafter._init_weights).
-FINAL_NORM_GAIN = 0.5
-
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -236,21 +233,10 @@ class DSparkDrafter(nn.Module):
             p.requires_grad_(False)  # the target's, frozen
 
     def _init_weights(self) -> None:
-        """A fresh drafter's weights (a checkpoint or export overwrites every one of them).
-
-        The residual stream starts at the frozen embedding of the block's input token, and the
-        frozen lm_head reads it back through the final norm at full gain: on SmolLM2 the logits of
-        a normed embedding row spread with a std of 16 (top logits ~120), so the first step's CE is
-        ~48 nats where uniform is 10.8. The final norm's gain starts at FINAL_NORM_GAIN instead of 1,
-        which shrinks those first logits (CE 25 at step 1) and still lets the gain reach 1 within a
-        small budget; a gain of 0 (exactly uniform) measured far worse, because Adam grows it only by
-        ~lr per step (docs/train.md, "Initialisation").
-        """
         for module in self.layers.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=0.02)
         nn.init.normal_(self.fc.weight, std=0.02)
-        nn.init.constant_(self.norm.weight, FINAL_NORM_GAIN)
 
     @property
     def block_size(self) -> int:
