@@ -20,6 +20,7 @@ from fixtures.tiny_models import mask_token_id
 
 from dspark_cli import manifest
 from dspark_cli.data.io import read_rows
+from dspark_cli.decode.calibrate import summary as calibration_summary
 
 STAGE_DIRS = ("prompts", "responses", "cache", "train", "calibration", "eval")
 QUESTIONS = ["What is 12 plus 30?", "Write a poem about the sea.", "Explain def add(a, b).",
@@ -154,8 +155,9 @@ def _check_report(config: Path, run_dir: Path, work: Path, report: dict, calibra
         (d["name"], d["tau"], d["tokens_per_second"]["speedup"]) for d in report["datasets"]]
     assert figures["eval"]["datasets"][0]["conditional"] == \
         report["datasets"][0]["position_acceptance"]["conditional"]
+    pooled = calibration_summary(calibration)  # v2 files hold per-position lists; the report the pooled ECE
     assert (figures["calibration"]["ece_before"], figures["calibration"]["ece_after"]) == (
-        calibration["ece_before"], calibration["ece_after"])
+        pooled["ece_before"], pooled["ece_after"])
     # Outputs are named as the config does (work_dir "work"), relative to the directory it ran in.
     assert sorted(figures["plots"]) == ["work/calibration/reliability.png", "work/eval/acceptance.png",
                                         "work/eval/threshold_sweep.png"]
