@@ -168,7 +168,7 @@ def _check_report(config: Path, run_dir: Path, work: Path, report: dict, calibra
     assert proc.returncode == 0, proc.stderr
     first = report["datasets"][0]
     assert f"{first['tau']:.2f}" in text and "speed-up" in text
-    assert f"{calibration['ece_before']:.2%} → {calibration['ece_after']:.2%}" in text
+    assert f"{pooled['ece_before']:.2%} → {pooled['ece_after']:.2%}" in text
     assert "plot: work/eval/acceptance.png" in text
 
     # The outputs belong to the directory the pipeline ran in: from the config's folder there are none.
