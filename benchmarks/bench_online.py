@@ -167,7 +167,7 @@ def main() -> None:
     for r in (cached, online):
         print(f"  {r['mode']:>6}: {r['s_per_step']:.2f} s/step (target {r['target_s_per_step']:.2f}, "
               f"drafter {r['drafter_s_per_step']:.2f}, wait {r['wait_s_per_step']:.2f}), "
-              f"peak RSS {r['peak_rss_mb']} MB, τ(val) {r['tau_validation']}")
+              f"peak RSS {r['peak_rss_mb']} MB, τ(val) {r['tau_validation']:.4f}")
     print(f"  cache: {built['cache_bytes'] / 2**20:.1f} MB, built in {built['cache_build_s']:.0f} s; "
           + (f"it pays for itself after {epochs:.2f} epochs" if epochs is not None else
              "online is no slower per step here: the cache never pays for itself in time"))

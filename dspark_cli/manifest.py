@@ -120,7 +120,7 @@ class StageRun:
             return
         if self.replaces:
             storage.remove(self.output_url)
-        spec = {"stage": self.stage, "config": self.config, "inputs": self.inputs}
+        spec = {"stage": self.stage, "config": self.config, "inputs": self.inputs, "claimed_at": self.started}
         storage.write_json(storage.join(self.output_url, RUN_NAME), spec)
 
     def abandon(self, *names: str) -> None:

@@ -174,6 +174,8 @@ def test_two_workers_fill_one_cache_and_the_last_finalizes(local_cache, tiny_qwe
     second = build_cache(cfg, responses, out, num_workers=2, worker_index=1, quiet=True)
     assert second.summary["shards_built"] == 1 and second.manifest is not None
     assert second.state == "resumed"  # the second worker found the build started
+    timings = second.manifest["timings"]  # the finishing worker's wall time, not the finalize call's
+    assert timings["wall_seconds"] >= timings["forward_seconds"] > 0
     assert invoke("finalize", out).exit_code == 0  # already final: a no-op
     ref = manifest.read_manifest(local_cache)["extra"]["shards"]
     assert [s["checksums"] for s in manifest.read_manifest(out)["extra"]["shards"]] == \

@@ -268,8 +268,8 @@ def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force:
                                "render_s": stats.render_s, "wait_s": stats.wait_s,
                                "stored_bytes": stats.stored_bytes, "raw_bytes": stats.raw_bytes,
                                "wall_s": time.time() - stats.started}
-    final = finalize_cache(output_url, strict=False, timings={"forward_seconds": stats.forward_s,
-                                                              "writer_seconds": stats.write_s})
+    final = finalize_cache(output_url, strict=False, started=run.started,
+                           timings={"forward_seconds": stats.forward_s, "writer_seconds": stats.write_s})
     if final is None:
         say("cache: other workers' shards are still missing; the last one to finish (or "
             "`dspark cache finalize`) writes the manifest.")
@@ -287,9 +287,13 @@ def _clean_own_temporaries(output_url: str, shards: list[int]) -> None:
             storage.remove(storage.join(root, name))
 
 
-def finalize_cache(output_url: str, strict: bool = True, timings: dict[str, float] | None = None
-                   ) -> dict[str, Any] | None:
-    """Write the manifest once every shard is committed; None (or an error when strict) otherwise."""
+def finalize_cache(output_url: str, strict: bool = True, timings: dict[str, float] | None = None,
+                   started: float | None = None) -> dict[str, Any] | None:
+    """Write the manifest once every shard is committed; None (or an error when strict) otherwise.
+
+    `started` is when the finishing worker began (its wall seconds go into the manifest); a
+    standalone `dspark cache finalize` counts from the moment the build claimed the folder.
+    """
     existing = manifest.read_manifest(output_url)
     if existing is not None:
         return existing
@@ -335,7 +339,8 @@ def finalize_cache(output_url: str, strict: bool = True, timings: dict[str, floa
     counts = {"samples": extra["num_samples"], "rows": layout["num_rows"], "skipped": skipped,
               "shards": n, "tokens": tokens, "loss_tokens": extra["num_loss_tokens"], "bytes": stored}
     inputs = spec["inputs"]
-    run = manifest.StageRun(STAGE, output_url, config, inputs, "resume")
+    run = manifest.StageRun(STAGE, output_url, config, inputs, "resume",
+                            started=started or spec.get("claimed_at") or time.time())
     if not extra["num_samples"]:  # nothing to train on: never a finished cache
         run.abandon()
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items(), key=lambda kv: -kv[1])) or "-"
