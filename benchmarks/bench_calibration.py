@@ -18,7 +18,8 @@ floor is higher. Platt is measured here only; the calibrate stage still fits STS
     .venv/bin/python benchmarks/bench_calibration.py --threshold-study
 
 measures, on synthetic rounds, how many accepted (and rejected) prefixes a position needs before
-its fitted T helps more often than it hurts: the evidence behind `calibrate.min_prefixes`.
+its fitted T helps more often than it hurts: the evidence behind `calibrate.min_prefixes`;
+`--held-out-check-study` compares STS with and without its held-out check, cross-fitted.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 from dspark_cli.decode.calibrate import (
     BOUNDARY,
     RoundRecords,
+    cross_fit,
     ece,
     fit_sts,
     fit_temperatures,
@@ -132,13 +134,33 @@ def threshold_study(draws: int = 150, seed: int = 0) -> None:
                 for _ in range(draws):
                     conf, labels = draw(n, rate, power)
                     temps, status = fit_temperatures(RoundRecords(conf, np.ones(n, int), labels.astype(int)),
-                                                     min_prefixes=1)
+                                                     min_prefixes=1, held_out_check=False)
                     after = ece(scale(test_conf, temps)[:, 0], test_labels)
                     change.append(after - raw)
                     worse += after > raw
                     edge += status[0] == BOUNDARY
                 print(f"  {rate:.1f}, ×{power:.1f}, m={m:3d} (n={n:4d}): P(worse) {worse / draws:.2f}, "
                       f"median {100 * np.median(change):+.1f} pt, edge {edge / draws:.2f}", flush=True)
+
+
+def held_out_check_study(seeds: int = 6, n: int = 600, per_conversation: int = 10) -> None:
+    """Cross-fitted pooled ECE of STS with and without the held-out check (`fit_temperatures`), on
+    synthetic rounds: 4 slots, true acceptance q ~ U(0.05, 0.6), the head reports σ(power·logit q),
+    rounds in conversations of `per_conversation`."""
+    print(f"held-out check: cross-fitted pooled ECE in % (raw / checked / unchecked), {n} rounds, "
+          f"conversations of {per_conversation}")
+    for power in (1.0, 1.5):
+        for seed in range(seeds):
+            rng = np.random.default_rng(seed)
+            q = rng.uniform(0.05, 0.6, (n, 4))
+            slot_ok = rng.random((n, 4)) < q
+            accepted = np.argmin(np.concatenate([slot_ok, np.zeros((n, 1), bool)], 1), axis=1)
+            groups = np.array([f"c{i // per_conversation}" for i in range(n)], dtype=object)
+            rec = RoundRecords(scale(q, [1 / power] * 4), np.full(n, 4), accepted, groups)
+            checked = cross_fit(rec, 0.05, 10.0, 120)
+            unchecked = cross_fit(rec, 0.05, 10.0, 120, held_out_check=False)
+            print(f"  head ×{power:.1f}, seed {seed}: {100 * checked.pooled_before:.2f} / "
+                  f"{100 * checked.pooled_after:.2f} / {100 * unchecked.pooled_after:.2f}", flush=True)
 
 
 def main() -> None:
@@ -148,9 +170,14 @@ def main() -> None:
     ap.add_argument("--drafter", default="runs/smollm2-135m-dspark/train-bench-dspark")
     ap.add_argument("--threshold-study", action="store_true",
                     help="Only the synthetic study behind calibrate.min_prefixes.")
+    ap.add_argument("--held-out-check-study", action="store_true",
+                    help="Only the synthetic study behind calibrate's held-out check.")
     args = ap.parse_args()
     if args.threshold_study:
         threshold_study()
+        return
+    if args.held_out_check_study:
+        held_out_check_study()
         return
     from dspark_cli.errors import DsparkError
 

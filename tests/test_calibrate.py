@@ -8,6 +8,7 @@ import pytest
 from dspark_cli.decode.calibrate import (
     BOUNDARY,
     FITTED,
+    NO_GAIN,
     TOO_FEW,
     RoundRecords,
     apply_temperatures,
@@ -103,7 +104,8 @@ def test_position_with_few_prefixes_keeps_t1_where_an_unguarded_fit_runs_to_the_
     assert counts[0] >= 30 and counts[3] < 30
     unguarded = fit_sts(rec, t_min=0.05, t_max=10.0, t_steps=120, min_prefixes=1)
     assert unguarded.status[3] == BOUNDARY or unguarded.temperatures[3] < 0.2  # what it did before
-    fit = fit_sts(rec, t_min=0.05, t_max=10.0, t_steps=120, min_prefixes=30)
+    # The head is calibrated (power 1), so the held-out check would rightly undo the fit: off here.
+    fit = fit_sts(rec, t_min=0.05, t_max=10.0, t_steps=120, min_prefixes=30, held_out_check=False)
     for k, n in enumerate(counts):
         if n < 30:
             assert fit.temperatures[k] == 1.0 and fit.status[k] == TOO_FEW and not fit.fitted[k]
@@ -212,3 +214,21 @@ def test_previous_release_file_still_reads_and_a_mismatched_list_is_refused(memo
     storage.write_json(memory_url + "/number.json", {**v2, "ece_after": 0.1})  # v2 with v1's number
     with pytest.raises(DsparkError, match="ece_after"):
         load_calibration(memory_url + "/number.json")
+
+
+def test_a_fit_that_does_not_help_held_out_conversations_ships_t1():
+    # A calibrated head: any finite-sample fit fits bin noise. The search still finds a T ≠ 1 in
+    # sample; across held-out halves it does not help, so T = 1 ships. Out of sample (each fold
+    # running the check inside itself) the checked procedure beats the unchecked one; it is not
+    # always the raw head, as one fold's halves can still be fooled.
+    rec = _overconfident(n=600, gamma=4, power=1.0, seed=3, q_range=(0.05, 0.6))
+    unchecked = fit_sts(rec, t_min=0.05, t_max=10.0, t_steps=120, held_out_check=False)
+    assert unchecked.status[0] == FITTED and unchecked.temperatures[0] != 1.0
+    fit = fit_sts(rec, t_min=0.05, t_max=10.0, t_steps=120)
+    assert fit.temperatures == [1.0] * 4 and fit.status[0] == NO_GAIN and not any(fit.fitted)
+    cross = cross_fit(rec, t_min=0.05, t_max=10.0, t_steps=120)
+    unchecked_cross = cross_fit(rec, t_min=0.05, t_max=10.0, t_steps=120, held_out_check=False)
+    assert cross.pooled_after < unchecked_cross.pooled_after
+    # An overconfident head keeps its fit: the check costs nothing where STS helps.
+    strong = fit_sts(_overconfident(), t_min=0.1, t_max=10.0, t_steps=120)
+    assert strong.status[0] == FITTED and strong.temperatures[0] > 2.0

@@ -57,8 +57,8 @@ def calibrate_cmd(
     out.print(f"temperatures: [{temps}]  ECE {where} {summary['ece_before']:.4f} → "
               f"{summary['ece_after']:.4f} ({summary['num_samples']} rounds) → {summary['calibration']}")
     if not all(summary["fitted"]):
-        out.print("  (1) = too few accepted or rejected prefixes to fit, or the best T on the grid's edge: "
-                  "kept at 1")
+        out.print("  (1) = kept at 1: too few accepted or rejected prefixes, the best T on the grid's edge, "
+                  "or no gain on held-out conversations (calibration.json says which, per position)")
 
 
 def _engines(drafter_url: str) -> None:
