@@ -229,6 +229,12 @@ def test_a_fit_that_does_not_help_held_out_conversations_ships_t1():
     cross = cross_fit(rec, t_min=0.05, t_max=10.0, t_steps=120)
     unchecked_cross = cross_fit(rec, t_min=0.05, t_max=10.0, t_steps=120, held_out_check=False)
     assert cross.pooled_after < unchecked_cross.pooled_after
+    # The file leads with what ships: T = 1 everywhere is the raw head, so its ECE is the raw one;
+    # the procedure's cross-fitted figure (a fold did fit) is kept beside it.
+    assert any(t != 1.0 for temps in cross.fold_temperatures for t in temps)
+    obj = calibration_file(fit, cross, dataset="d", extra={})
+    assert obj["ece_after"] == obj["ece_before"] and obj["pooled_ece_after"] == obj["pooled_ece_before"]
+    assert obj["cross_fit"]["procedure_pooled_ece_after"] == cross.pooled_after != cross.pooled_before
     # An overconfident head keeps its fit: the check costs nothing where STS helps.
     strong = fit_sts(_overconfident(), t_min=0.1, t_max=10.0, t_steps=120)
     assert strong.status[0] == FITTED and strong.temperatures[0] > 2.0

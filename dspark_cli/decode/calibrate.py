@@ -322,6 +322,11 @@ def calibration_file(fit: StsFit, cross: CrossFit | None, *, dataset: str, extra
     out_of_sample = cross is not None
     before = cross.ece_before if cross else in_before
     after = cross.ece_after if cross else in_after
+    pooled_after = cross.pooled_after if cross else fit.ece_after
+    if cross and all(t == 1.0 for t in fit.temperatures):
+        # What ships is the raw head, fitted on nothing: its out-of-sample ECE is the raw one. The
+        # cross-fit's "after" scored the procedure, whose folds may still have fitted; kept below.
+        after, pooled_after = list(cross.ece_before), cross.pooled_before
     return {
         "temperatures": [float(t) for t in fit.temperatures],
         "dataset": dataset,
@@ -331,14 +336,15 @@ def calibration_file(fit: StsFit, cross: CrossFit | None, *, dataset: str, extra
         "schema_version": SCHEMA_VERSION,
         "ece_source": "cross_fit" if out_of_sample else "in_sample",
         "pooled_ece_before": cross.pooled_before if cross else fit.ece_before,
-        "pooled_ece_after": cross.pooled_after if cross else fit.ece_after,
+        "pooled_ece_after": pooled_after,
         "fitted": fit.fitted,
         "in_sample": {"pooled_ece_before": fit.ece_before, "pooled_ece_after": fit.ece_after,
                       "ece_before": in_before, "ece_after": in_after},
         "cross_fit": None if cross is None else {
             "folds": 2, "split": "conversations, alternately", "rounds": cross.fold_rounds,
             "conversations": cross.fold_conversations, "temperatures": cross.fold_temperatures,
-            "samples": cross.samples},
+            "samples": cross.samples, "procedure_ece_after": cross.ece_after,
+            "procedure_pooled_ece_after": cross.pooled_after},
         **extra,
         "per_position": fit.per_position,
     }
