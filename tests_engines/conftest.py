@@ -36,6 +36,13 @@ KINDS = {
 DEMO_TARGET = ROOT / "runs" / "models" / "smollm2-135m-instruct"
 DEMO_EXPORTS = [ROOT / "runs" / name / "train" / "export"
                 for name in ("smollm2-135m-dspark", "smollm2-135m-dflash", "smollm2-135m-dflash-fill-in")]
+#: Which make target writes each of them (for the skip message).
+WRITTEN_BY = {"smollm2-135m-dspark": "make demo", "smollm2-135m-dflash": "make bench-quality",
+              "smollm2-135m-dflash-fill-in": "make bench-vllm"}
+
+
+def absent(folder: Path) -> str:
+    return f"{folder} absent ({WRITTEN_BY[folder.parent.parent.name]} writes it)"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEMO_EXPORTS
+from conftest import DEMO_EXPORTS, absent
 from harness import sglang_module
 from safetensors.torch import load_file
 
@@ -271,7 +271,7 @@ def test_sglang_rejects_the_first_releases_gated_names(exports):
 @pytest.mark.parametrize("folder", DEMO_EXPORTS, ids=lambda p: p.parent.parent.name)
 def test_the_demos_real_exports_parse_and_load_in_sglang(folder, monkeypatch):
     if not (folder / "config.json").exists():
-        pytest.skip(f"{folder} absent (make demo / make bench-vllm writes it)")
+        pytest.skip(absent(folder))
     cfg = config_of(str(folder))
     if cfg["architectures"] == ["DFlashDraftModel"]:
         utils = sglang_module("sglang.srt.speculative.dflash_utils")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEMO_EXPORTS, DEMO_TARGET
+from conftest import DEMO_EXPORTS, DEMO_TARGET, absent
 from harness import vllm_block_hidden, vllm_context_kv, vllm_model
 from safetensors.torch import load_file
 
@@ -170,7 +170,7 @@ def test_the_cpu_key_bug_is_layer_zeros_norm_weight(target, exports, sample):
 @pytest.mark.parametrize("folder", DEMO_EXPORTS, ids=lambda p: p.parent.parent.name)
 def test_the_demos_real_exports_load(folder):
     if not (folder / "config.json").exists() or not (DEMO_TARGET / "config.json").exists():
-        pytest.skip(f"{folder} or {DEMO_TARGET} absent (make demo / make bench-vllm writes them)")
+        pytest.skip(absent(folder) if (DEMO_TARGET / "config.json").exists() else f"{DEMO_TARGET} absent")
     method, gamma = method_and_gamma(str(folder))
     cfg = json.loads((folder / "config.json").read_text())
     if method == "dspark" and cfg["markov_head_type"] != "vanilla":
