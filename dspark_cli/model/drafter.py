@@ -337,7 +337,11 @@ class DSparkDrafter(nn.Module):
                + torch.arange(n_in, device=device)[None])  # anchor_pos = context length
         hidden = self.backbone(ids, pos, context.layer_kv(), context.mask(n_in))
         hidden = self.draft_slots(hidden)  # [R, γ, d]
-        base = self.lm_head(hidden.to(self.lm_head.weight.dtype))  # [R, γ, V]
+        # On 2-D rows: fill_in's slice is a strided [R, γ, d] that makes the Linear a batched matmul
+        # copying the whole [V, d] weight per call (bf16 CPU: a 107 ms draft instead of 12 ms).
+        gamma_slots = hidden.shape[1]
+        base = self.lm_head(hidden.reshape(R * gamma_slots, -1).to(self.lm_head.weight.dtype))
+        base = base.view(R, gamma_slots, -1)  # [R, γ, V]
         vocab = base.shape[-1]
         if 0 < top_k < vocab:
             base, support = base.topk(top_k, dim=-1)  # [R, γ, K]
