@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..target.capture import capture_batch, capture_step
+from ..target.capture import capture_batch, capture_step, stack_left_padded
 from .sps import crop_cache
 
 
@@ -48,25 +48,8 @@ class TargetBatch:
         if self.cache is None or self.rows == 0:
             self.cache, self.attention = cap.past_key_values, ones
         else:
-            self._stack(cap.past_key_values, ones)
+            self.attention = stack_left_padded(self.cache, self.attention, cap.past_key_values, ones)
         return cap.hidden, cap.final
-
-    def _stack(self, cache: Any, attention: torch.Tensor) -> None:
-        """Left-pad the shorter of (batch, new row) to the other's length and stack the rows."""
-        width = max(self.attention.shape[1], attention.shape[1])
-
-        def pad(x: torch.Tensor, dim: int) -> torch.Tensor:
-            missing = width - x.shape[dim]
-            if missing == 0:
-                return x
-            shape = list(x.shape)
-            shape[dim] = missing
-            return torch.cat([x.new_zeros(shape), x], dim=dim)
-
-        for mine, new in zip(self.cache.layers, cache.layers, strict=True):
-            mine.keys = torch.cat([pad(mine.keys, 2), pad(new.keys, 2)])  # [R+1, H, T, D]
-            mine.values = torch.cat([pad(mine.values, 2), pad(new.values, 2)])
-        self.attention = torch.cat([pad(self.attention, 1), pad(attention, 1)])
 
     def keep(self, rows: list[int]) -> None:
         """Keep only these rows, in this order; drop columns no remaining row uses at the left."""

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import DsparkError
-from ..target.capture import cache_kwarg, new_cache
+from ..target.capture import cache_kwarg, new_cache, stack_left_padded
 from ..target.chat import render_prompt
 from ..target.model import Target
 from .sampling import SamplingParams, sample
@@ -68,20 +68,8 @@ def _merge(a: _Running | None, b: _Running | None) -> _Running | None:
     """Stack two running batches: left-pad the shorter cache (and mask) to the longer one."""
     if a is None or b is None:
         return a or b
-    T = max(a.attention.shape[1], b.attention.shape[1])
-
-    def pad(x: torch.Tensor, dim: int) -> torch.Tensor:  # left-pad dimension `dim` to length T
-        missing = T - x.shape[dim]
-        if missing == 0:
-            return x
-        shape = list(x.shape)
-        shape[dim] = missing
-        return torch.cat([x.new_zeros(shape), x], dim=dim)
-
-    for la, lb in zip(a.cache.layers, b.cache.layers, strict=True):
-        la.keys = torch.cat([pad(la.keys, 2), pad(lb.keys, 2)], dim=0)  # [Ra+Rb, H, T, D]
-        la.values = torch.cat([pad(la.values, 2), pad(lb.values, 2)], dim=0)
-    return _Running(a.rows + b.rows, a.cache, torch.cat([pad(a.attention, 1), pad(b.attention, 1)]),
+    attention = stack_left_padded(a.cache, a.attention, b.cache, b.attention)
+    return _Running(a.rows + b.rows, a.cache, attention,
                     torch.cat([a.next_tokens, b.next_tokens]), torch.cat([a.next_pos, b.next_pos]))
 
 

@@ -35,6 +35,27 @@ def new_cache(config: Any = None) -> Any:
     return DynamicCache(config=config) if config is not None else DynamicCache()
 
 
+def stack_left_padded(cache: Any, attention: torch.Tensor, other: Any,
+                      other_attention: torch.Tensor) -> torch.Tensor:
+    """Append `other`'s rows under `cache`'s (DynamicCaches; `cache` changes in place), the shorter
+    left-padded with masked zeros to the longer's length; returns the stacked [Ra+Rb, T] mask.
+    Joining a request to a running batch this way moves no cached position of either."""
+    width = max(attention.shape[1], other_attention.shape[1])
+
+    def pad(x: torch.Tensor, dim: int) -> torch.Tensor:
+        missing = width - x.shape[dim]
+        if missing == 0:
+            return x
+        shape = list(x.shape)
+        shape[dim] = missing
+        return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+    for mine, new in zip(cache.layers, other.layers, strict=True):
+        mine.keys = torch.cat([pad(mine.keys, 2), pad(new.keys, 2)])  # [Ra+Rb, H, T, D]
+        mine.values = torch.cat([pad(mine.values, 2), pad(new.values, 2)])
+    return torch.cat([pad(attention, 1), pad(other_attention, 1)])
+
+
 def base_model(model: Any) -> Any:
     """The decoder without lm_head."""
     base = getattr(model, "base_model_prefix", None)
