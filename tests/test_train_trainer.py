@@ -59,6 +59,8 @@ def test_train_writes_the_contract_5_layout_on_memory(tiny_qwen3_target, samples
     assert result.summary["export"] == storage.join(out, "export")
     assert manifest["stage"] == "train" and manifest["counts"]["steps"] == 4
     assert manifest["extra"]["validation"]["samples"] == 3
+    init_gain = manifest["extra"]["init_output_gain"]  # "auto": matched to these samples' states
+    assert 0 < init_gain["gain"] <= 1 and init_gain["target_logit_std"] > 0
     assert committed_steps(out) == [2, 4]  # keep_last = 2
     assert storage.read_text(storage.join(out, "checkpoints", "latest")).strip() == "step-00000004"
     assert storage.exists(storage.join(out, "export", "config.json"))

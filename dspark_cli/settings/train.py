@@ -44,6 +44,9 @@ class TrainSettings(Section):
     keep_last: int = 3
     log_every: int = 10
     seed: int = 0
+    #: A fresh drafter's final-norm gain: "auto" (its mask slots' logits start with the target's
+    #: logit spread, at most 1; docs/train.md) or a number (1: the release before "auto").
+    init_output_gain: float | str = "auto"
     #: Fraction of the peak lr the cosine decays to.
     min_lr_ratio: float = 0.1
     #: auto (bf16 autocast where the device supports it), bf16, or fp32.
@@ -94,5 +97,9 @@ class TrainSettings(Section):
             self.fail("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}.")
         if self.precision not in ("auto", "bf16", "fp32"):
             self.fail("precision", f"must be auto, bf16 or fp32, got {self.precision!r}.")
+        if isinstance(self.init_output_gain, str) and self.init_output_gain != "auto":
+            self.fail("init_output_gain", f"must be \"auto\" or a number, got {self.init_output_gain!r}.")
+        if isinstance(self.init_output_gain, float) and not 0 < self.init_output_gain <= 10:
+            self.fail("init_output_gain", f"must be in (0, 10], got {self.init_output_gain}.")
         if self.export_dtype not in DTYPE_NAMES:
             self.fail("export_dtype", f"must be one of {', '.join(DTYPE_NAMES)}, got {self.export_dtype!r}.")

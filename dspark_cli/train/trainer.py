@@ -34,6 +34,7 @@ from ..model.config import DrafterConfig
 from ..model.drafter import DSparkDrafter
 from ..model.export import export_drafter
 from ..model.frozen import attach_frozen
+from ..model.init_gain import OutputGain, describe_gain, set_output_gain
 from ..sample import Sample
 from ..settings.train import RUNTIME_KEYS
 from ..stage import StageResult, already_done, completed
@@ -165,10 +166,14 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
         inputs = dataset.stage_inputs()
     else:
         inputs = {cache_url: fingerprint(cache_url)}
+    init_gain: OutputGain | None = None
+
     def build_drafter() -> DSparkDrafter:
+        nonlocal init_gain
         torch.manual_seed(tc.seed)
         built = DSparkDrafter(dcfg)
         attach_frozen(built, dcfg.target_model)  # reads the target's embedding: the stage's probe
+        init_gain = set_output_gain(built, tc.init_output_gain, dataset)  # a resume then loads its own
         return built
 
     drafter = None
@@ -207,6 +212,7 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     elif world.main:
         console.print(f"[cyan]▶[/] train: {total_steps} steps × {tc.global_batch} samples on "
                       f"{world.world_size} rank(s), {device}; writing {output_url}.")
+        console.print(f"  final-norm gain at init {describe_gain(init_gain)}")
     if world.main:
         storage.clean_temporaries(output_url)  # orphans of a killed local writer
     log = MetricsLog(output_url, start_step, enabled=world.main)
@@ -301,6 +307,7 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
                     "train_samples": len(dataset)},
             extra={"drafter_config": dcfg.to_dict(), "export": export_url, "checkpoint": final,
                    "world_size": world.world_size, "final_metrics": record, "validation": held_out,
+                   "init_output_gain": init_gain.to_dict() if init_gain else None,
                    **({"online": dataset.report()} if online else {})},
         )
         console.print(f"[green]✓[/] train: exported {export_url}")
