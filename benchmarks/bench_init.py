@@ -1,91 +1,67 @@
-"""How a fresh drafter's initial final-norm gain changes a short SmolLM2 training (docs/train.md).
+"""A fresh drafter's final-norm gain at init: the release before ("1") vs "auto" (docs/train.md).
 
-    .venv/bin/python benchmarks/bench_init.py                  # gains 1, 0, 0.2, 0.5; 40 steps each
-    .venv/bin/python benchmarks/bench_init.py --gains 1 0.5 --steps 20
+    .venv/bin/python -m benchmarks.bench_init                      # make bench-init: demo budget
+    .venv/bin/python -m benchmarks.bench_init --gains 1 auto 0.5 --steps 40
+    .venv/bin/python -m benchmarks.bench_init --runs A/train B/train   # only tabulate finished runs
 
-No regeneration (too slow on a shared 2-core machine): each of 160 bundled prompts is answered
-with the text of another bundled prompt, natural text whose target distribution the cache still
-records. One cache, then one `dspark train` per gain (same seed, samples and anchors), with
-`DSparkDrafter`'s init patched to that gain; prints step-1 loss and CE, mean losses of the first
-and last ten steps, and the validation loss and τ.
+Each gain is one `dspark train` of the demo config (pipelines/smollm2-135m.toml) on the demo's
+own cache (regenerated answers; `make demo` builds it, or the shared stages run here first), the
+same seed, samples and anchors, `--set train.init_output_gain=G`: only the init differs. Prints
+the gain each run started with, its step-1 loss and CE, the mean loss of its first and last ten
+logged steps, and the held-out validation loss and τ (1 + Σ_k Π_{j≤k}(1 − TV_j) on the cache's
+validation split). `--runs` tabulates finished train folders instead (e.g. bench-quality's).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-CFG = "pipelines/smollm2-135m.toml"
-TARGET = "runs/models/smollm2-135m-instruct"
-
-TRAIN_WITH_GAIN = """
-import sys, torch
-from dspark_cli.model.drafter import DSparkDrafter
-original = DSparkDrafter._init_weights
-def init(self):
-    original(self)
-    torch.nn.init.constant_(self.norm.weight, float(sys.argv[1]))
-DSparkDrafter._init_weights = init
-from dspark_cli.cli import main
-main(sys.argv[2:])
-"""
+from benchmarks.common import DSPARK_CFG, REPO, dspark, output, run_shared_stages
 
 
-def build_cache(work: Path) -> None:
-    from dspark_cli import storage
-    from dspark_cli.data.io import RESPONSE_SCHEMA, shard_name, write_table
+def row(folder: Path) -> str:
+    """One table row of a finished train folder."""
+    metrics = [json.loads(line) for line in (folder / "metrics.jsonl").open()]
+    extra = json.loads((folder / "manifest.json").read_text())["extra"]
+    val = extra["validation"]
+    gain = (extra.get("init_output_gain") or {}).get("gain", 1.0)  # runs before the key: gain 1
 
-    if (work / "cache" / "manifest.json").is_file():
-        return
-    prompts = [json.loads(line) for line in (REPO / "dspark_cli/resources/demo_prompts.jsonl").open()][:160]
-    rows = [{"id": p["id"], "source": "demo", "split": "validation" if i % 10 == 9 else "train",
-             "messages": [{"role": "user", "content": p["turns"][0]},
-                          {"role": "assistant", "content": prompts[(i * 7 + 3) % len(prompts)]["turns"][0]}],
-             "reasoning": [None], "thinking": False, "model": "none", "endpoint": "none", "sampling": "{}",
-             "finish_reasons": ["stop"], "prompt_tokens": 0, "completion_tokens": 0}
-            for i, p in enumerate(prompts)]
-    for k in range(0, len(rows), 64):
-        write_table(storage.join(str(work / "responses"), "data", shard_name(k // 64)), rows[k:k + 64],
-                    RESPONSE_SCHEMA)
-    subprocess.run([sys.executable, "-m", "dspark_cli.cli", "cache", "build", "-c", CFG, "--set",
-                    f"pipeline.work_dir={work}", "--responses", str(work / "responses")],
-                   cwd=REPO, check=True)
+    def mean(part: list[dict]) -> float:
+        return sum(r["loss"] for r in part) / len(part)
+
+    return (f"| {folder.name} | {gain:.3g} | {metrics[-1]['step']} | {metrics[0]['loss']:.2f} "
+            f"({metrics[0]['ce']:.1f}) | {mean(metrics[:10]):.3f} | {mean(metrics[-10:]):.3f} | "
+            f"{val['loss']:.4f} | {val['accepted_length']:.4f} | {val['slot_acceptance'][0]:.3f} |")
+
+
+HEADER = ("| run | gain at init | steps | step-1 loss (CE) | mean loss, first 10 logged | "
+          "last 10 logged | validation loss | validation τ | slot-1 acceptance |\n"
+          + "|---" * 9 + "|")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work", default="runs/bench-init")
-    ap.add_argument("--gains", type=float, nargs="+", default=[1.0, 0.0, 0.2, 0.5])
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--work", default="runs/smollm2-135m-dspark", help="Work root holding the demo's cache.")
+    ap.add_argument("--gains", nargs="+", default=["1", "auto"], help='Values of train.init_output_gain.')
+    ap.add_argument("--steps", type=int, default=None, help="train.max_steps (default: the config's epochs).")
+    ap.add_argument("--runs", nargs="+", type=Path, default=None, help="Only tabulate these train folders.")
     args = ap.parse_args()
+    if args.runs:
+        print("\n".join([HEADER, *(row(folder) for folder in args.runs)]))
+        return
     work = (REPO / args.work).resolve()
-    if not (REPO / TARGET / "conversion.json").is_file():
-        subprocess.run([sys.executable, "-m", "dspark_cli.cli", "model", "convert", "--smollm2", TARGET],
-                       cwd=REPO, check=True)
-    build_cache(work)
+    cfg = run_shared_stages(DSPARK_CFG, work, [], {})
+    budget = [] if args.steps is None else ["--set", f"train.max_steps={args.steps}"]
+    folders = []
     for gain in args.gains:
-        out = work / f"train-gain{gain:g}-{args.steps}"
-        subprocess.run([sys.executable, "-c", TRAIN_WITH_GAIN, str(gain), "train", "-c", CFG, "--set",
-                        f"pipeline.work_dir={work}", "--cache", str(work / "cache"), "-o", str(out),
-                        "--set", f"train.max_steps={args.steps}", "--set", "train.log_every=1",
-                        "--set", "train.save_every=1000", "--set", "train.eval_samples=16"],
-                       cwd=REPO, check=True)
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").open()]
-        val = json.loads((out / "manifest.json").read_text())["extra"]["validation"]
-
-        def mean(part: list[dict]) -> float:
-            return sum(r["loss"] for r in part) / len(part)
-
-        print(f"gain {gain:g}: step-1 loss {rows[0]['loss']:.3f} (CE {rows[0]['ce']:.2f}), mean loss "
-              f"first 10 {mean(rows[:10]):.3f}, last 10 {mean(rows[-10:]):.3f}; validation loss "
-              f"{val['loss']:.4f}, τ {val['accepted_length']:.4f}, slot-1 acceptance "
-              f"{val['slot_acceptance'][0]:.3f}", flush=True)
+        folder = work / f"train-init-{gain}-{args.steps or 'demo'}"
+        dspark("train", "-c", DSPARK_CFG, "--set", f"pipeline.work_dir={work}", "--cache",
+               str(output(cfg, "cache")), "-o", str(folder), "--set", f"train.init_output_gain={gain}",
+               "--set", "train.log_every=1", *budget)
+        folders.append(folder)
+    print("\n" + "\n".join([HEADER, *(row(folder) for folder in folders)]))
 
 
 if __name__ == "__main__":

@@ -8,3 +8,9 @@ bench-train: install
 .PHONY: bench-online
 bench-online: demo-model
 	$(BIN)/python -m benchmarks.bench_online --steps 60
+
+## A fresh drafter's final-norm gain: the release before (1) vs auto, one demo-budget training
+## each on the demo's cache (builds the shared stages when missing; ~15 min on 2 cores).
+.PHONY: bench-init
+bench-init: demo-model
+	$(BIN)/python -m benchmarks.bench_init

@@ -59,8 +59,10 @@ def test_train_writes_the_contract_5_layout_on_memory(tiny_qwen3_target, samples
     assert result.summary["export"] == storage.join(out, "export")
     assert manifest["stage"] == "train" and manifest["counts"]["steps"] == 4
     assert manifest["extra"]["validation"]["samples"] == 3
-    init_gain = manifest["extra"]["init_output_gain"]  # "auto": matched to these samples' states
-    assert 0 < init_gain["gain"] <= 1 and init_gain["target_logit_std"] > 0
+    # The default init is the previous release's, left out of the stage config so its runs resume.
+    assert manifest["extra"]["init_output_gain"] == {"gain": 1.0, "target_logit_std": None,
+                                                     "init_logit_std": None}
+    assert "init_output_gain" not in manifest["config"]["train"]
     assert committed_steps(out) == [2, 4]  # keep_last = 2
     assert storage.read_text(storage.join(out, "checkpoints", "latest")).strip() == "step-00000004"
     assert storage.exists(storage.join(out, "export", "config.json"))
@@ -88,6 +90,15 @@ def test_train_writes_the_contract_5_layout_on_memory(tiny_qwen3_target, samples
                                        "train.lr=1e-3"))
     with pytest.raises(StageConflictError, match="train.lr"):
         train(other, "features://tiny", out, dataset=samples)
+
+
+def test_auto_output_gain_is_recorded_and_fingerprinted(tiny_qwen3_target, samples, memory_url):
+    cfg = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=1", "train.eval_samples=0",
+                                     "train.init_output_gain=auto"))
+    manifest = train(cfg, "features://tiny", storage.join(memory_url, "auto"), dataset=samples).manifest
+    assert manifest["config"]["train"]["init_output_gain"] == "auto"
+    chosen = manifest["extra"]["init_output_gain"]  # matched to these samples' target states
+    assert 0 < chosen["gain"] <= 1 and chosen["target_logit_std"] > 0 and chosen["init_logit_std"] > 0
 
 
 def test_training_lowers_the_loss(tiny_qwen3_target, samples, tmp_path):

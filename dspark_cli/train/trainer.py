@@ -155,6 +155,8 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     # that only change speed stay out, so do `source` and `online` for a cache-fed run (a run of
     # the release before them still resumes).
     train_config = {k: v for k, v in tc.to_dict().items() if k not in (*RUNTIME_KEYS, "source")}
+    if train_config["init_output_gain"] == 1.0:  # the init of the release before the key: its runs resume
+        del train_config["init_output_gain"]
     stage_config = {"target": {**cfg.target.to_dict(), "layers": list(dcfg.target_layer_ids)},
                     "model": cfg.model.to_dict(), "train": train_config}
     if online:  # what `cache build` would have recorded about rendering
