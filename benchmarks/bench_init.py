@@ -1,12 +1,13 @@
 """A fresh drafter's final-norm gain at init: the release before ("1") vs "auto" (docs/train.md).
 
     .venv/bin/python -m benchmarks.bench_init                      # make bench-init: demo budget
-    .venv/bin/python -m benchmarks.bench_init --gains 1 auto 0.5 --steps 40
+    .venv/bin/python -m benchmarks.bench_init --gains 1 auto 0.5 auto:10 --steps 40
     .venv/bin/python -m benchmarks.bench_init --runs A/train B/train   # only tabulate finished runs
 
 Each gain is one `dspark train` of the demo config (pipelines/smollm2-135m.toml) on the demo's
 own cache (regenerated answers; `make demo` builds it, or the shared stages run here first), the
-same seed, samples and anchors, `--set train.init_output_gain=G`: only the init differs. Prints
+same seed, samples and anchors, `--set train.init_output_gain=G` (and, for G:S,
+`train.output_norm_lr_scale=S`: the final norm's lr S times the rest): only those differ. Prints
 the gain each run started with, its step-1 loss and CE, the mean loss of its first and last ten
 logged steps, and the held-out validation loss and τ (1 + Σ_k Π_{j≤k}(1 − TV_j) on the cache's
 validation split), then both runs' training loss and τ per window of ten logged steps. `--runs`
@@ -71,7 +72,8 @@ HEADER = ("| run | gain at init | steps | step-1 loss (CE) | mean loss, first 10
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="runs/smollm2-135m-dspark", help="Work root holding the demo's cache.")
-    ap.add_argument("--gains", nargs="+", default=["1", "auto"], help='Values of train.init_output_gain.')
+    ap.add_argument("--gains", nargs="+", default=["1", "auto", "auto:10"],
+                    help="train.init_output_gain values, each optionally :S (train.output_norm_lr_scale=S).")
     ap.add_argument("--steps", type=int, default=None, help="train.max_steps (default: the config's epochs).")
     ap.add_argument("--runs", nargs="+", type=Path, default=None, help="Only tabulate these train folders.")
     args = ap.parse_args()
@@ -83,11 +85,12 @@ def main() -> None:
     cfg = run_shared_stages(DSPARK_CFG, work, [], {})
     budget = [] if args.steps is None else ["--set", f"train.max_steps={args.steps}"]
     folders = []
-    for gain in args.gains:
-        folder = work / f"train-init-{gain}-{args.steps or 'demo'}"
+    for variant in args.gains:
+        gain, _, scale = variant.partition(":")
+        folder = work / f"train-init-{gain}{f'-lr{scale}' if scale else ''}-{args.steps or 'demo'}"
         dspark("train", "-c", DSPARK_CFG, "--set", f"pipeline.work_dir={work}", "--cache",
                str(output(cfg, "cache")), "-o", str(folder), "--set", f"train.init_output_gain={gain}",
-               "--set", "train.log_every=1", *budget)
+               "--set", f"train.output_norm_lr_scale={scale or 1}", "--set", "train.log_every=1", *budget)
         folders.append(folder)
     print("\n" + "\n".join([HEADER, *(row(folder) for folder in folders), "",
                               *paired_windows(folders)]))

@@ -94,11 +94,26 @@ def test_train_writes_the_contract_5_layout_on_memory(tiny_qwen3_target, samples
 
 def test_auto_output_gain_is_recorded_and_fingerprinted(tiny_qwen3_target, samples, memory_url):
     cfg = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=1", "train.eval_samples=0",
-                                     "train.init_output_gain=auto"))
+                                     "train.init_output_gain=auto", "train.output_norm_lr_scale=10"))
     manifest = train(cfg, "features://tiny", storage.join(memory_url, "auto"), dataset=samples).manifest
     assert manifest["config"]["train"]["init_output_gain"] == "auto"
+    assert manifest["config"]["train"]["output_norm_lr_scale"] == 10
     chosen = manifest["extra"]["init_output_gain"]  # matched to these samples' target states
     assert 0 < chosen["gain"] <= 1 and chosen["target_logit_std"] > 0 and chosen["init_logit_std"] > 0
+
+
+def test_the_final_norm_gets_its_own_lr_only_when_scaled(tiny_qwen3_target):
+    from fixtures.drafter import drafter_config
+
+    from dspark_cli.model.drafter import DSparkDrafter
+    from dspark_cli.train.trainer import param_groups
+
+    drafter = DSparkDrafter(drafter_config(tiny_qwen3_target))
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    assert param_groups(drafter, 1e-3, 1.0) == [{"params": trainable}]
+    rest, norm = param_groups(drafter, 1e-3, 10.0)
+    assert norm["params"] == [drafter.norm.weight] and norm["lr"] == pytest.approx(1e-2)
+    assert len(rest["params"]) == len(trainable) - 1 and "lr" not in rest
 
 
 def test_training_lowers_the_loss(tiny_qwen3_target, samples, tmp_path):

@@ -10,6 +10,9 @@ from .base import Section
 SOURCES = ("cache", "online")
 #: Keys that change how fast training runs, not what it computes (left out of the stage config).
 RUNTIME_KEYS = ("prefetch_batches",)
+#: Keys added after a release, with the value that reproduces it: left out of the stage config at
+#: that value, so a run of that release still resumes and is still reused.
+EARLIER_BEHAVIOUR = {"init_output_gain": 1.0, "output_norm_lr_scale": 1.0}
 
 
 @dataclass
@@ -48,6 +51,9 @@ class TrainSettings(Section):
     #: the target's logit spread, at most 1). "auto" starts at a far lower loss but trails 1 in τ
     #: from step 50 on at the bench-quality budget (docs/train.md), so 1 stays the default.
     init_output_gain: float | str = 1.0
+    #: The final norm's learning rate as a multiple of lr (a low init gain caps every logit until
+    #: AdamW, about lr per step, has grown it back).
+    output_norm_lr_scale: float = 1.0
     #: Fraction of the peak lr the cosine decays to.
     min_lr_ratio: float = 0.1
     #: auto (bf16 autocast where the device supports it), bf16, or fp32.
@@ -102,5 +108,7 @@ class TrainSettings(Section):
             self.fail("init_output_gain", f"must be \"auto\" or a number, got {self.init_output_gain!r}.")
         if isinstance(self.init_output_gain, float) and not 0 < self.init_output_gain <= 10:
             self.fail("init_output_gain", f"must be in (0, 10], got {self.init_output_gain}.")
+        if self.output_norm_lr_scale <= 0:
+            self.fail("output_norm_lr_scale", f"must be > 0, got {self.output_norm_lr_scale}.")
         if self.export_dtype not in DTYPE_NAMES:
             self.fail("export_dtype", f"must be one of {', '.join(DTYPE_NAMES)}, got {self.export_dtype!r}.")

@@ -36,7 +36,7 @@ from ..model.export import export_drafter
 from ..model.frozen import attach_frozen
 from ..model.init_gain import OutputGain, describe_gain, set_output_gain
 from ..sample import Sample
-from ..settings.train import RUNTIME_KEYS
+from ..settings.train import EARLIER_BEHAVIOUR, RUNTIME_KEYS
 from ..stage import StageResult, already_done, completed
 from ..target.dtypes import resolve_device
 from ..target.files import load_config, num_layers
@@ -103,6 +103,16 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float) -> Callab
     return factor
 
 
+def param_groups(drafter: DSparkDrafter, lr: float, norm_scale: float) -> list[dict[str, Any]]:
+    """The trainable weights; the final norm in a group of its own when its lr is scaled (one
+    group otherwise, the layout earlier checkpoints were saved with)."""
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    if norm_scale == 1.0:
+        return [{"params": trainable}]
+    norm = drafter.norm.weight
+    return [{"params": [p for p in trainable if p is not norm]}, {"params": [norm], "lr": lr * norm_scale}]
+
+
 def drafter_config_for(cfg: PipelineConfig, meta: dict[str, Any]) -> DrafterConfig:
     """Architecture from the target config + [model] + the layers (the cache's, when it has any)."""
     target = cfg.target.model or meta.get("target", "")
@@ -155,8 +165,9 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     # that only change speed stay out, so do `source` and `online` for a cache-fed run (a run of
     # the release before them still resumes).
     train_config = {k: v for k, v in tc.to_dict().items() if k not in (*RUNTIME_KEYS, "source")}
-    if train_config["init_output_gain"] == 1.0:  # the init of the release before the key: its runs resume
-        del train_config["init_output_gain"]
+    for key, earlier in EARLIER_BEHAVIOUR.items():
+        if train_config[key] == earlier:
+            del train_config[key]
     stage_config = {"target": {**cfg.target.to_dict(), "layers": list(dcfg.target_layer_ids)},
                     "model": cfg.model.to_dict(), "train": train_config}
     if online:  # what `cache build` would have recorded about rendering
@@ -201,7 +212,8 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
         module = torch.nn.parallel.DistributedDataParallel(
             module, device_ids=[device.index] if device.type == "cuda" else None)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(param_groups(drafter, tc.lr, tc.output_norm_lr_scale), lr=tc.lr,
+                                  weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, tc.warmup_ratio,
                                                                        tc.min_lr_ratio))
     start_step = 0
