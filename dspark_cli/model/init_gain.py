@@ -3,7 +3,7 @@
 A fresh drafter's residual stream is the frozen embedding of its input token, and the frozen
 `lm_head` reads it back through the final norm. With tied embeddings a token's own row scores it
 far above the rest: on SmolLM2-135M the mask token's normed embedding gives logits of std 15.7 and
-its own logit 126, so the first step's cross-entropy is ~48 nats where uniform is 10.8 and the
+its own logit ~79, so the first step's cross-entropy is ~48 nats where uniform is 10.8 and the
 target's own distributions have a logit std of ~3.4. "auto" scales the final norm's gain so the
 mask slots' initial logits spread like the target's (never above 1, the previous release's gain):
 
@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..sample import Sample
 from .drafter import DSparkDrafter
@@ -55,11 +56,9 @@ def reference_states(samples: Sequence[Sample], limit: int = REFERENCE_SAMPLES) 
 def matched_gain(drafter: DSparkDrafter, target_final: torch.Tensor) -> OutputGain:
     """The gain at which the mask slot's initial logits have the target's logit spread (≤ 1)."""
     head = drafter.lm_head.weight
-    norm_weight = drafter.norm.weight.detach().clone()
-    drafter.norm.weight.fill_(1.0)
-    mask_row = drafter.embed_tokens.weight[drafter.config.mask_token_id]
-    init_std = logit_std(head, drafter.norm(mask_row.float().unsqueeze(0)))
-    drafter.norm.weight.copy_(norm_weight)
+    mask_row = drafter.embed_tokens.weight[drafter.config.mask_token_id].float().unsqueeze(0)
+    at_unit_gain = F.rms_norm(mask_row, mask_row.shape[-1:], eps=drafter.config.rms_norm_eps)
+    init_std = logit_std(head, at_unit_gain)
     target_std = logit_std(head, target_final)
     gain = min(1.0, target_std / init_std) if init_std > 0 else 1.0
     return OutputGain(gain, target_std, init_std)

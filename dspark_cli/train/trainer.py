@@ -211,9 +211,9 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     if world.world_size > 1:
         module = torch.nn.parallel.DistributedDataParallel(
             module, device_ids=[device.index] if device.type == "cuda" else None)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(param_groups(drafter, tc.lr, tc.output_norm_lr_scale), lr=tc.lr,
-                                  weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+    groups = param_groups(drafter, tc.lr, tc.output_norm_lr_scale)
+    params = [p for group in groups for p in group["params"]]
+    optimizer = torch.optim.AdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, tc.warmup_ratio,
                                                                        tc.min_lr_ratio))
     start_step = 0
