@@ -13,7 +13,9 @@ does (same drafter, prompts, seed and full verification), then compares, on the 
 
 Both are scored in-sample (what calibration.json reports) and cross-fitted: fit on one half of
 the rounds, score the other half, both ways round. The halves have half the rounds, so their ECE
-floor is higher. Platt is measured here only; the calibrate stage still fits STS (DESIGN.md §4).
+floor is higher: the `floor` lines give the pooled ECE a perfectly calibrated head scores at the
+full and the half count (bin noise alone). Platt is measured here only; the calibrate stage
+still fits STS (DESIGN.md §4).
 
     .venv/bin/python benchmarks/bench_calibration.py --threshold-study
 
@@ -112,6 +114,21 @@ def fmt(per: np.ndarray) -> str:
     return " ".join(f"{100 * e:.1f}" for e in per)
 
 
+def binning_floor(rec: RoundRecords, rounds: int, draws: int = 30, seed: int = 0) -> tuple[float, float]:
+    """Mean and sd of the pooled ECE a perfectly calibrated head would score on `rounds` rounds:
+    rounds resampled from these confidences, each slot accepted with exactly its confidence. Any
+    ECE goal below it cannot be told apart from bin noise at that many rounds."""
+    rng = np.random.default_rng(seed)
+    scores = []
+    for _ in range(draws):
+        conf = rec.confidences[rng.integers(0, len(rec.confidences), rounds)]
+        ok = rng.random(conf.shape) < conf
+        accepted = np.argmin(np.concatenate([ok, np.zeros((rounds, 1), bool)], axis=1), axis=1)
+        sim = RoundRecords(conf, np.full(rounds, rec.gamma), accepted)
+        scores.append(pooled_ece(sim, sim.confidences)[0])
+    return float(np.mean(scores)), float(np.std(scores))
+
+
 def threshold_study(draws: int = 150, seed: int = 0) -> None:
     """One slot; true acceptance q ~ Beta around a base rate; the head reports σ(power·logit q).
     Fit T (no minimum) on rounds holding m prefixes of the rarer outcome, score on 40 000 fresh
@@ -195,6 +212,10 @@ def main() -> None:
     print(f"  in-sample   raw {100 * raw:.2f} ({fmt(raw_per)})")
     print(f"  in-sample   STS {100 * s:.2f} ({fmt(s_per)})")
     print(f"  in-sample Platt {100 * p:.2f} ({fmt(p_per)})")
+    for rounds in (n // 2, n):
+        mean, sd = binning_floor(rec, rounds)
+        print(f"  floor: a perfectly calibrated head scores {100 * mean:.2f} ± {100 * sd:.2f} "
+              f"on {rounds} rounds")
     half = n // 2
     for name, fit_idx, test_idx in (("first half → second", np.arange(half), np.arange(half, n)),
                                     ("second half → first", np.arange(half, n), np.arange(half))):

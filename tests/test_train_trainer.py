@@ -83,6 +83,13 @@ def test_train_writes_the_contract_5_layout_on_memory(tiny_qwen3_target, samples
     export = st_load(storage.read_bytes(storage.join(out, "export", "model.safetensors")))
     assert set(ckpt) == set(export)
     assert torch.equal(ckpt["fc.weight"].to(torch.bfloat16), export["fc.weight"])
+    # ...except the confidence head's bias, refitted on the validation samples (and recorded).
+    assert manifest["config"]["train"]["fit_confidence_bias"] is True
+    bias = manifest["extra"]["confidence_bias"]
+    assert bias["samples"] == 3 and bias["slots"] > 0 and bias["shift"] != 0
+    assert abs(bias["mean_confidence_after"] - bias["mean_target"]) < 1e-6
+    assert torch.equal((ckpt["confidence_head.proj.bias"] + bias["shift"]).to(torch.bfloat16),
+                       export["confidence_head.proj.bias"])
     # Rerun: nothing to do. Another config: refused, naming the key.
     again = train(cfg, "features://tiny", out, dataset=samples)
     assert again.done and again.manifest == manifest and again.summary == result.summary
@@ -100,6 +107,17 @@ def test_auto_output_gain_is_recorded_and_fingerprinted(tiny_qwen3_target, sampl
     assert manifest["config"]["train"]["output_norm_lr_scale"] == 10
     chosen = manifest["extra"]["init_output_gain"]  # matched to these samples' target states
     assert 0 < chosen["gain"] <= 1 and chosen["target_logit_std"] > 0 and chosen["init_logit_std"] > 0
+    # No validation scored: the confidence head keeps its trained bias, and the manifest says why.
+    assert manifest["extra"]["confidence_bias"] == {"skipped": "no validation samples"}
+
+
+def test_a_drafter_without_confidence_head_has_no_bias_to_refit(tiny_qwen3_target, samples, memory_url):
+    cfg = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=1",
+                                     "model.enable_confidence_head=false"))
+    manifest = train(cfg, "features://tiny", storage.join(memory_url, "nohead"), dataset=samples,
+                     validation=samples[:2]).manifest
+    assert manifest["extra"]["confidence_bias"] is None
+    assert "fit_confidence_bias" not in manifest["config"]["train"]  # its runs stay reusable
 
 
 def test_the_final_norm_gets_its_own_lr_only_when_scaled(tiny_qwen3_target):

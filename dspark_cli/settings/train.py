@@ -12,7 +12,7 @@ SOURCES = ("cache", "online")
 RUNTIME_KEYS = ("prefetch_batches",)
 #: Keys added after a release, with the value that reproduces it: left out of the stage config at
 #: that value, so a run of that release still resumes and is still reused.
-EARLIER_BEHAVIOUR = {"init_output_gain": 1.0, "output_norm_lr_scale": 1.0}
+EARLIER_BEHAVIOUR = {"init_output_gain": 1.0, "output_norm_lr_scale": 1.0, "fit_confidence_bias": False}
 
 
 @dataclass
@@ -62,6 +62,10 @@ class TrainSettings(Section):
     device: str = "auto"
     #: Samples of the cache's validation split scored at the end of training (0: skip).
     eval_samples: int = 64
+    #: Refit the confidence head's bias on those validation samples before exporting: after many
+    #: epochs the head states the training set's acceptance, which new prompts do not reach
+    #: (train/confidence_bias.py). Needs eval_samples > 0 and a validation split.
+    fit_confidence_bias: bool = True
     #: Weight dtype of the exported serving folder.
     export_dtype: str = "bfloat16"
     #: Also write the frozen embedding and lm_head into the export (engines usually share the target's).

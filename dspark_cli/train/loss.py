@@ -210,7 +210,10 @@ class DrafterLoss(nn.Module):
             self._head_cache = (key, weight.detach().to(dtype))
         return self._head_cache[1]
 
-    def forward(self, batch: PackedBatch, mask: object) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward(self, batch: PackedBatch, mask: object, confidence_out: list | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`confidence_out`, when given, receives (conf_logit, c*, slot weight) [N, γ] detached:
+        the held-out pass refits the confidence head's bias on them (`confidence_bias`)."""
         d, w = self.drafter, self.weights
         gamma = d.block_size
         hidden = d(batch.block_input_ids, batch.block_position_ids, batch.context_hidden,
@@ -242,6 +245,8 @@ class DrafterLoss(nn.Module):
             bce = F.binary_cross_entropy_with_logits(conf_logit, c_star, reduction="none")  # [N, γ]
             bce_sum = (weight * bce).sum()
             conf_err = ((torch.sigmoid(conf_logit).detach() - c_star).abs() * supervised).sum(0)
+            if confidence_out is not None:
+                confidence_out.append((conf_logit.detach(), c_star.detach(), weight.detach()))
             objective = vocab_objective + w.conf * bce_sum
         else:
             bce_sum = torch.zeros((), device=hidden.device)

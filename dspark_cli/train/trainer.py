@@ -43,6 +43,7 @@ from ..target.files import load_config, num_layers
 from ..target.identity import config_hash
 from ..target.layers import agree_layers, resolve_layers
 from . import checkpoint as ckpt
+from .confidence_bias import held_out_shift
 from .data import BatchMaker, StepPlan, plan_items
 from .loss import DrafterLoss, LossWeights, summarize
 from .metrics import MetricsLog
@@ -168,6 +169,8 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     for key, earlier in EARLIER_BEHAVIOUR.items():
         if train_config[key] == earlier:
             del train_config[key]
+    if not dcfg.enable_confidence_head:  # nothing to refit: a DFlash baseline's run is unchanged
+        train_config.pop("fit_confidence_bias", None)
     stage_config = {"target": {**cfg.target.to_dict(), "layers": list(dcfg.target_layer_ids)},
                     "model": cfg.model.to_dict(), "train": train_config}
     if online:  # what `cache build` would have recorded about rendering
@@ -302,15 +305,20 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
 
     manifest = None
     held_out = None
+    confidence_slots: list = []
     if world.main and tc.eval_samples > 0:
         if validation is None and not supplied:
             validation = open_split("validation") if open_split is not None else None
         if validation is not None and len(validation) > 0:
             held_out = evaluate(module.module if world.world_size > 1 else module, validation, dcfg,
                                 num_anchors=tc.num_anchors, seed=tc.seed, micro_batch=tc.micro_batch,
-                                limit=tc.eval_samples, device=device, flex=flex)
+                                limit=tc.eval_samples, device=device, flex=flex,
+                                confidence_out=confidence_slots)
             console.print(f"validation ({held_out['samples']} samples): loss {held_out['loss']:.4f}  "
                           f"τ {held_out['accepted_length']:.2f}  acceptance {held_out['slot_acceptance']}")
+    confidence_bias = None
+    if world.main and tc.fit_confidence_bias and drafter.confidence_head is not None:
+        confidence_bias = refit_confidence_bias(drafter, confidence_slots, held_out)
     if world.main:
         export_url = storage.join(output_url, "export")
         export_drafter(drafter, export_url, include_embeddings=tc.export_include_embeddings,
@@ -322,6 +330,7 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
             extra={"drafter_config": dcfg.to_dict(), "export": export_url, "checkpoint": final,
                    "world_size": world.world_size, "final_metrics": record, "validation": held_out,
                    "init_output_gain": init_gain.to_dict() if init_gain else None,
+                   "confidence_bias": confidence_bias,
                    **({"online": dataset.report()} if online else {})},
         )
         console.print(f"[green]✓[/] train: exported {export_url}")
@@ -332,6 +341,26 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     if world.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
     return completed(run, manifest, summary(manifest) if manifest is not None else {})
+
+
+def refit_confidence_bias(drafter: DSparkDrafter, slots: list, held_out: dict[str, Any] | None
+                          ) -> dict[str, Any]:
+    """Shift the confidence head's bias to the held-out slots' acceptance (train/confidence_bias.py);
+    what the manifest records: the shift and its effect, or why there was none."""
+    if not slots:
+        console.print("[yellow]![/] train: no validation samples scored (train.eval_samples = 0 or no "
+                      "validation split): the confidence head keeps its trained bias.")
+        return {"skipped": "no validation samples"}
+    logits, targets, weights = (torch.cat([s[i].reshape(-1) for s in slots]) for i in range(3))
+    try:
+        shift = held_out_shift(drafter, logits, targets, weights)
+    except ValueError as e:  # a symptom of a broken split; the trained head is still a valid head
+        console.print(f"[yellow]![/] train: {e}; the confidence head keeps its trained bias.")
+        return {"skipped": str(e)}
+    console.print(f"  confidence bias refitted on {held_out['samples']} validation samples: "
+                  f"{shift.shift:+.3f} (mean confidence {shift.mean_confidence_before:.3f} → "
+                  f"{shift.mean_confidence_after:.3f}, held-out c* {shift.mean_target:.3f})")
+    return {**shift.to_dict(), "samples": held_out["samples"]}
 
 
 def summary(manifest: dict[str, Any]) -> dict[str, Any]:

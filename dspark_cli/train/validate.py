@@ -18,8 +18,9 @@ from .loss import DrafterLoss, summarize
 @torch.no_grad()
 def evaluate(loss_module: DrafterLoss, dataset: Sequence[Sample], config: DrafterConfig, *,
              num_anchors: int, seed: int, micro_batch: int, limit: int, device: torch.device,
-             flex: bool) -> dict[str, Any] | None:
-    """Mean loss terms and acceptance over up to `limit` samples (anchors seeded as in training)."""
+             flex: bool, confidence_out: list | None = None) -> dict[str, Any] | None:
+    """Mean loss terms and acceptance over up to `limit` samples (anchors seeded as in training);
+    `confidence_out` collects the confidence head's held-out slots (`DrafterLoss.forward`)."""
     n = min(limit, len(dataset))
     if n == 0:
         return None
@@ -31,7 +32,7 @@ def evaluate(loss_module: DrafterLoss, dataset: Sequence[Sample], config: Drafte
         indices = list(range(start, min(n, start + micro_batch)))
         batch = load_batch(dataset, indices, 0, num_anchors, seed, config).to(device)
         mask = flex_block_mask(batch.layout) if flex else dense_mask(batch.layout)
-        _, stats = loss_module(batch, mask)
+        _, stats = loss_module(batch, mask, confidence_out)
         for k, v in stats.items():
             totals[k] = totals.get(k, 0) + v.float().cpu()
         batches += 1
