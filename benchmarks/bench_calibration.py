@@ -114,6 +114,53 @@ def fmt(per: np.ndarray) -> str:
     return " ".join(f"{100 * e:.1f}" for e in per)
 
 
+def shift_check(config: str, work: str, drafter: str, rec: RoundRecords) -> None:
+    """Is the trainer's held-out confidence bias (train/confidence_bias.py) out of sample here?
+
+    The trainer fits δ on the validation split's teacher-forced blocks; calibrate decodes the same
+    prompts. So, per fold of calibrate's conversations, δ is refitted on the validation samples of
+    the *other* fold's prompts only and that fold's ECE compared with the shipped δ's and none."""
+    import torch
+
+    from dspark_cli.cache.reader import CacheDataset
+    from dspark_cli.config import load_config
+    from dspark_cli.manifest import read_manifest
+    from dspark_cli.model.export import load_drafter
+    from dspark_cli.pipeline import stage_output
+    from dspark_cli.train.confidence_bias import fit_shift
+    from dspark_cli.train.loss import DrafterLoss, LossWeights
+    from dspark_cli.train.validate import evaluate
+
+    found = read_manifest(drafter) or {}
+    shipped = ((found.get("extra") or {}).get("confidence_bias") or {}).get("shift")
+    if shipped is None or rec.groups is None:
+        print(f"  shift check: {drafter} records no held-out confidence bias; nothing to check")
+        return
+    cfg = load_config(config, [f"pipeline.work_dir={work}"], extra={})
+    tc = cfg.train
+    trained = load_drafter(found["extra"]["checkpoint"])  # the checkpoint: the bias before the shift
+    validation = CacheDataset(stage_output(cfg, "cache"), split="validation")
+    slots: list = []
+    loss = DrafterLoss(trained, LossWeights(tc.ce_weight, tc.tv_weight, tc.conf_weight, tc.gamma_decay))
+    evaluate(loss, validation, trained.config, num_anchors=tc.num_anchors, seed=tc.seed, micro_batch=1,
+             limit=tc.eval_samples, device=torch.device("cpu"), flex=False, confidence_out=slots)
+    ids = [validation[i].sample_id for i in range(min(tc.eval_samples, len(validation)))]
+    trained_logits = logit(rec.confidences) - shipped
+    for name, fold in zip(("A", "B"), rec.folds(), strict=True):
+        others = set(rec.groups[~fold].tolist())
+        picked = [slots[i] for i, sid in enumerate(ids) if sid in others]
+        if not picked:
+            print(f"  shift check, fold {name}: no validation sample of the other fold's prompts")
+            continue
+        delta = fit_shift(*(torch.cat([p[j].reshape(-1) for p in picked]) for j in range(3)))
+        part = rec.subset(fold)
+        logits = trained_logits[fold]
+        scores = [pooled_ece(part, sigmoid(logits + d))[0] for d in (0.0, shipped, delta)]
+        print(f"  shift check, fold {name} ({fold.sum()} rounds): ECE with no shift {100 * scores[0]:.2f}, "
+              f"the shipped {shipped:+.3f} {100 * scores[1]:.2f}, "
+              f"{delta:+.3f} from the other fold's {len(picked)} prompts {100 * scores[2]:.2f}")
+
+
 def binning_floor(rec: RoundRecords, rounds: int, draws: int = 30, seed: int = 0) -> tuple[float, float]:
     """Mean and sd of the pooled ECE a perfectly calibrated head would score on `rounds` rounds:
     rounds resampled from these confidences, each slot accepted with exactly its confidence. Any
@@ -216,6 +263,7 @@ def main() -> None:
         mean, sd = binning_floor(rec, rounds)
         print(f"  floor: a perfectly calibrated head scores {100 * mean:.2f} ± {100 * sd:.2f} "
               f"on {rounds} rounds")
+    shift_check(args.config, args.work, args.drafter, rec)
     half = n // 2
     for name, fit_idx, test_idx in (("first half → second", np.arange(half), np.arange(half, n)),
                                     ("second half → first", np.arange(half, n), np.arange(half))):

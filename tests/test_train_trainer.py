@@ -120,6 +120,20 @@ def test_a_drafter_without_confidence_head_has_no_bias_to_refit(tiny_qwen3_targe
     assert "fit_confidence_bias" not in manifest["config"]["train"]  # its runs stay reusable
 
 
+def test_a_run_from_before_the_bias_refit_is_refused_with_the_key_that_keeps_it(
+        tiny_qwen3_target, samples, memory_url):
+    out = storage.join(memory_url, "earlier")
+    earlier = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=1", "train.eval_samples=0",
+                                         "train.fit_confidence_bias=false"))
+    first = train(earlier, "features://tiny", out, dataset=samples).manifest
+    assert "fit_confidence_bias" not in first["config"]["train"]  # what the earlier release wrote
+    now = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=1", "train.eval_samples=0"))
+    with pytest.raises(StageConflictError, match="train.fit_confidence_bias") as refused:
+        train(now, "features://tiny", out, dataset=samples)
+    assert "train.fit_confidence_bias=false" in refused.value.hint
+    assert train(earlier, "features://tiny", out, dataset=samples).done
+
+
 def test_the_final_norm_gets_its_own_lr_only_when_scaled(tiny_qwen3_target):
     from fixtures.drafter import drafter_config
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .. import storage
 from ..config import PipelineConfig
 from ..console import console
-from ..errors import DsparkError
+from ..errors import DsparkError, StageConflictError
 from ..manifest import fingerprint, prepare_stage
 from ..model.attention import dense_mask, flex_block_mask, use_flex
 from ..model.card import refresh_card
@@ -194,7 +194,7 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
 
     drafter = None
     if world.main:
-        run = prepare_stage(STAGE, output_url, stage_config, inputs, force=force)
+        run = prepare_train_stage(output_url, stage_config, inputs, force)
         if run.state != "done":
             drafter = build_drafter()  # before the claim: a wrong target leaves nothing behind
             run.claim()
@@ -341,6 +341,21 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     if world.world_size > 1 and dist.is_initialized():
         dist.destroy_process_group()
     return completed(run, manifest, summary(manifest) if manifest is not None else {})
+
+
+def prepare_train_stage(output_url: str, stage_config: dict[str, Any], inputs: dict[str, str],
+                        force: bool) -> Any:
+    """prepare_stage, whose refusal of a run made before a key existed says how to keep that run."""
+    try:
+        return prepare_stage(STAGE, output_url, stage_config, inputs, force=force)
+    except StageConflictError as e:
+        added = [f"train.{k}={str(v).lower()}" for k, v in EARLIER_BEHAVIOUR.items()
+                 if f"config key train.{k}" in str(e)]
+        if not added:
+            raise
+        raise StageConflictError(str(e), hint=f"this release added {', '.join(added)} (the earlier "
+                                 f"behaviour): --set it to keep the earlier run, or rerun with "
+                                 f"--force to retrain.") from None
 
 
 def refit_confidence_bias(drafter: DSparkDrafter, slots: list, held_out: dict[str, Any] | None
