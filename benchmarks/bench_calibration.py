@@ -127,7 +127,7 @@ def shift_check(config: str, work: str, drafter: str, rec: RoundRecords) -> None
     from dspark_cli.manifest import read_manifest
     from dspark_cli.model.export import load_drafter
     from dspark_cli.pipeline import stage_output
-    from dspark_cli.train.confidence_bias import fit_shift
+    from dspark_cli.train.confidence_bias import fit_shift, flatten_slots
     from dspark_cli.train.loss import DrafterLoss, LossWeights
     from dspark_cli.train.validate import evaluate
 
@@ -152,7 +152,7 @@ def shift_check(config: str, work: str, drafter: str, rec: RoundRecords) -> None
         if not picked:
             print(f"  shift check, fold {name}: no validation sample of the other fold's prompts")
             continue
-        delta = fit_shift(*(torch.cat([p[j].reshape(-1) for p in picked]) for j in range(3)))
+        delta = fit_shift(*flatten_slots(picked))
         part = rec.subset(fold)
         logits = trained_logits[fold]
         scores = [pooled_ece(part, sigmoid(logits + d))[0] for d in (0.0, shipped, delta)]

@@ -16,7 +16,7 @@ carries `proj.bias + δ`; checkpoints keep the trained weights, so a resume refi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -39,9 +39,12 @@ class ConfidenceShift:
     mean_confidence_after: float
 
     def to_dict(self) -> dict[str, float | int]:
-        return {"shift": self.shift, "slots": self.slots, "mean_target": self.mean_target,
-                "mean_confidence_before": self.mean_confidence_before,
-                "mean_confidence_after": self.mean_confidence_after}
+        return asdict(self)
+
+
+def flatten_slots(slots: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (conf_logit, c*, weight) triples `DrafterLoss.forward` collects → three flat tensors."""
+    return tuple(torch.cat([s[i].reshape(-1) for s in slots]) for i in range(3))  # type: ignore[return-value]
 
 
 def fit_shift(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> float:

@@ -43,7 +43,7 @@ from ..target.files import load_config, num_layers
 from ..target.identity import config_hash
 from ..target.layers import agree_layers, resolve_layers
 from . import checkpoint as ckpt
-from .confidence_bias import held_out_shift
+from .confidence_bias import flatten_slots, held_out_shift
 from .data import BatchMaker, StepPlan, plan_items
 from .loss import DrafterLoss, LossWeights, summarize
 from .metrics import MetricsLog
@@ -366,9 +366,8 @@ def refit_confidence_bias(drafter: DSparkDrafter, slots: list, held_out: dict[st
         console.print("[yellow]![/] train: no validation samples scored (train.eval_samples = 0 or no "
                       "validation split): the confidence head keeps its trained bias.")
         return {"skipped": "no validation samples"}
-    logits, targets, weights = (torch.cat([s[i].reshape(-1) for s in slots]) for i in range(3))
     try:
-        shift = held_out_shift(drafter, logits, targets, weights)
+        shift = held_out_shift(drafter, *flatten_slots(slots))
     except ValueError as e:  # a symptom of a broken split; the trained head is still a valid head
         console.print(f"[yellow]![/] train: {e}; the confidence head keeps its trained bias.")
         return {"skipped": str(e)}
