@@ -178,6 +178,24 @@ def test_bf16_chunk_gradient_is_close_to_autograd(setup):
         assert float((g_fast[k] - g_ref[k]).norm()) <= 0.05 * scale + 1e-6, k
 
 
+def test_detached_confidence_inputs_leave_the_drafting_gradients_to_ce_and_tv(setup):
+    """train.detach_confidence_inputs: the BCE trains the confidence head and nothing else."""
+    drafter, batch = setup
+    mask = dense_mask(batch.layout)
+    joint = grads(drafter, DrafterLoss(drafter, LossWeights(), chunk_blocks=3)(batch, mask)[0])
+    detached = grads(drafter, DrafterLoss(drafter, LossWeights(), chunk_blocks=3,
+                                          detach_confidence_inputs=True)(batch, mask)[0])
+    no_bce = grads(drafter, DrafterLoss(drafter, LossWeights(conf=0.0), chunk_blocks=3)(batch, mask)[0])
+    head = [k for k in joint if k.startswith("confidence_head.")]
+    drafting = [k for k in joint if k not in head]
+    assert head and drafting
+    for k in head:  # the head's own gradient does not depend on where its inputs came from
+        assert torch.allclose(detached[k], joint[k], atol=1e-6), k
+    for k in drafting:
+        assert torch.allclose(detached[k], no_bce[k], atol=1e-6), k
+    assert any(not torch.allclose(joint[k], no_bce[k], atol=1e-6) for k in drafting)
+
+
 def test_dflash_baseline_is_weighted_ce_only(tiny_qwen3_target, setup):
     _, batch = setup
     torch.manual_seed(0)

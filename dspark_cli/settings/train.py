@@ -12,7 +12,8 @@ SOURCES = ("cache", "online")
 RUNTIME_KEYS = ("prefetch_batches",)
 #: Keys added after a release, with the value that reproduces it: left out of the stage config at
 #: that value, so a run of that release still resumes and is still reused.
-EARLIER_BEHAVIOUR = {"init_output_gain": 1.0, "output_norm_lr_scale": 1.0, "fit_confidence_bias": False}
+EARLIER_BEHAVIOUR = {"init_output_gain": 1.0, "output_norm_lr_scale": 1.0, "fit_confidence_bias": False,
+                     "detach_confidence_inputs": False}
 
 
 @dataclass
@@ -66,6 +67,10 @@ class TrainSettings(Section):
     #: epochs the head states the training set's acceptance, which new prompts do not reach
     #: (train/confidence_bias.py). Needs eval_samples > 0 and a validation split.
     fit_confidence_bias: bool = True
+    #: The confidence loss trains the confidence head alone: its inputs (the slot states the
+    #: lm_head reads, and W1[x_{k-1}]) are detached, so the BCE does not pull the backbone's and the
+    #: Markov head's features away from drafting (docs/train.md). Serving is unchanged.
+    detach_confidence_inputs: bool = True
     #: Weight dtype of the exported serving folder.
     export_dtype: str = "bfloat16"
     #: Also write the frozen embedding and lm_head into the export (engines usually share the target's).

@@ -193,11 +193,14 @@ class _ChunkedVocab(torch.autograd.Function):
 class DrafterLoss(nn.Module):
     """Drafter + loss in one module, so DDP wraps a single forward(batch) → (loss, stats)."""
 
-    def __init__(self, drafter: DSparkDrafter, weights: LossWeights, chunk_blocks: int = 64) -> None:
+    def __init__(self, drafter: DSparkDrafter, weights: LossWeights, chunk_blocks: int = 64,
+                 detach_confidence_inputs: bool = False) -> None:
         super().__init__()
         self.drafter = drafter
         self.weights = weights
         self.chunk_blocks = chunk_blocks
+        #: The BCE reaches only the confidence head's own weights (train.detach_confidence_inputs).
+        self.detach_confidence_inputs = detach_confidence_inputs
         self._head_cache: tuple[tuple, torch.Tensor] | None = None
 
     def head_for_matmul(self, dtype: torch.dtype | None) -> torch.Tensor:
@@ -241,7 +244,11 @@ class DrafterLoss(nn.Module):
         supervised = batch.valid.float()  # [N, γ]
         if d.confidence_head is not None:
             prev_embed = d.markov_head.embed_prev(prev) if d.markov_head is not None else None
-            conf_logit = d.confidence_head(hidden, prev_embed).float()  # [N, γ]
+            conf_hidden = hidden
+            if self.detach_confidence_inputs:
+                conf_hidden = hidden.detach()
+                prev_embed = prev_embed.detach() if prev_embed is not None else None
+            conf_logit = d.confidence_head(conf_hidden, prev_embed).float()  # [N, γ]
             bce = F.binary_cross_entropy_with_logits(conf_logit, c_star, reduction="none")  # [N, γ]
             bce_sum = (weight * bce).sum()
             conf_err = ((torch.sigmoid(conf_logit).detach() - c_star).abs() * supervised).sum(0)

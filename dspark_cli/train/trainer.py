@@ -169,8 +169,9 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     for key, earlier in EARLIER_BEHAVIOUR.items():
         if train_config[key] == earlier:
             del train_config[key]
-    if not dcfg.enable_confidence_head:  # nothing to refit: a DFlash baseline's run is unchanged
+    if not dcfg.enable_confidence_head:  # no confidence loss: a DFlash baseline's run is unchanged
         train_config.pop("fit_confidence_bias", None)
+        train_config.pop("detach_confidence_inputs", None)
     stage_config = {"target": {**cfg.target.to_dict(), "layers": list(dcfg.target_layer_ids)},
                     "model": cfg.model.to_dict(), "train": train_config}
     if online:  # what `cache build` would have recorded about rendering
@@ -209,8 +210,9 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
 
     drafter = drafter or build_drafter()
     drafter.to(device)
-    module: torch.nn.Module = DrafterLoss(drafter, LossWeights(tc.ce_weight, tc.tv_weight, tc.conf_weight,
-                                                               tc.gamma_decay), tc.loss_chunk_blocks)
+    weights = LossWeights(tc.ce_weight, tc.tv_weight, tc.conf_weight, tc.gamma_decay)
+    module: torch.nn.Module = DrafterLoss(drafter, weights, tc.loss_chunk_blocks,
+                                          detach_confidence_inputs=tc.detach_confidence_inputs)
     if world.world_size > 1:
         module = torch.nn.parallel.DistributedDataParallel(
             module, device_ids=[device.index] if device.type == "cuda" else None)
