@@ -21,6 +21,12 @@ class ConfigError(DsparkError):
 class StageConflictError(DsparkError):
     """A stage's output exists with a different config or inputs; rerun with --force to replace it."""
 
+    def __init__(self, message: str, hint: str | None = None,
+                 config_keys: tuple[str, ...] = ()) -> None:
+        super().__init__(message, hint)
+        #: The dotted config keys whose values differ (a caller can say which --set keeps the run).
+        self.config_keys = config_keys
+
 
 class StageFailed(DsparkError):
     """A stage ran but produced nothing usable (or too many failures); nothing was marked done."""

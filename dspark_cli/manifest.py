@@ -178,7 +178,8 @@ def prepare_stage(stage: str, output_url: str, config: dict[str, Any], inputs: d
     if previous is not None and previous.get("abandoned"):
         return StageRun(stage, output_url, config, inputs, "fresh", replaces=True)
     if previous is not None and not force:
-        differing = [f"config key {k}" for k in _diff_keys(previous.get("config"), config)]
+        config_keys = tuple(_diff_keys(previous.get("config"), config))
+        differing = [f"config key {k}" for k in config_keys]
         # compare locations, not spellings (`runs/x` and `/abs/runs/x` are one input); name the
         # input the way the user wrote it this time
         old_raw = previous.get("inputs") or {}
@@ -195,6 +196,7 @@ def prepare_stage(stage: str, output_url: str, config: dict[str, Any], inputs: d
             raise StageConflictError(
                 f"{output_url}: holds a '{previous.get('stage')}' run made with another {shown}.",
                 hint="rerun with --force to replace it, or choose another output URL.",
+                config_keys=config_keys,
             )
     if force and previous is not None:
         return StageRun(stage, output_url, config, inputs, "fresh", replaces=True)

@@ -51,10 +51,12 @@ def test_stage_lifecycle_fresh_done_conflict_force(root_url):
     assert again.state == "resume"
     again.finish({"rows": 3})
     assert manifest.prepare_stage("demo", out, {"a": 1}, {"in": "id:x"}).state == "done"
-    with pytest.raises(StageConflictError, match=r"config key a"):
+    with pytest.raises(StageConflictError, match=r"config key a") as changed:
         manifest.prepare_stage("demo", out, {"a": 2}, {"in": "id:x"})
-    with pytest.raises(StageConflictError, match=r"input in"):
+    assert changed.value.config_keys == ("a",)  # what a caller's hint can name
+    with pytest.raises(StageConflictError, match=r"input in") as moved:
         manifest.prepare_stage("demo", out, {"a": 1}, {"in": "id:y"})
+    assert moved.value.config_keys == ()
     forced = manifest.prepare_stage("demo", out, {"a": 2}, {"in": "id:x"}, force=True)
     assert forced.state == "fresh" and manifest.read_manifest(out) is not None  # removed only when claimed
     forced.claim()

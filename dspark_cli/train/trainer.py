@@ -352,12 +352,12 @@ def prepare_train_stage(output_url: str, stage_config: dict[str, Any], inputs: d
         return prepare_stage(STAGE, output_url, stage_config, inputs, force=force)
     except StageConflictError as e:
         added = [f"train.{k}={str(v).lower()}" for k, v in EARLIER_BEHAVIOUR.items()
-                 if f"config key train.{k}" in str(e)]
+                 if f"train.{k}" in e.config_keys]
         if not added:
             raise
         raise StageConflictError(str(e), hint=f"this release added {', '.join(added)} (the earlier "
                                  f"behaviour): --set it to keep the earlier run, or rerun with "
-                                 f"--force to retrain.") from None
+                                 f"--force to retrain.", config_keys=e.config_keys) from None
 
 
 def refit_confidence_bias(drafter: DSparkDrafter, slots: list, held_out: dict[str, Any] | None
