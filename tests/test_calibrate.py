@@ -238,3 +238,30 @@ def test_a_fit_that_does_not_help_held_out_conversations_ships_t1():
     # An overconfident head keeps its fit: the check costs nothing where STS helps.
     strong = fit_sts(_overconfident(), t_min=0.1, t_max=10.0, t_steps=120)
     assert strong.status[0] == FITTED and strong.temperatures[0] > 2.0
+
+
+def _two_populations(n: int = 3000, gamma: int = 4, powers: tuple[float, float] = (2.0, 1.3),
+                     per_conversation: int = 10) -> RoundRecords:
+    """Even conversations overconfident by powers[0], odd ones by powers[1]: the folds differ."""
+    rng = np.random.default_rng(0)
+    q = rng.uniform(0.2, 0.97, (n, gamma))
+    accepted_slot = rng.random((n, gamma)) < q
+    accepted = np.argmin(np.concatenate([accepted_slot, np.zeros((n, 1), bool)], 1), axis=1)
+    conversation = np.arange(n) // per_conversation
+    power = np.where(conversation % 2 == 0, *powers)[:, None]
+    raw = 1.0 / (1.0 + np.exp(-power * np.log(q / (1.0 - q))))
+    groups = np.array([f"c{c}" for c in conversation], dtype=object)
+    return RoundRecords(raw, np.full(n, gamma), accepted, groups)
+
+
+def test_a_fit_that_helps_one_fold_and_hurts_the_other_ships_t1():
+    # Pooled over both folds the halves' fits help (A's gain outweighs B's loss), but A's
+    # temperatures make B worse than its raw head: that is not a gain new data can count on.
+    rec = _two_populations()
+    halves = cross_fit(rec, t_min=0.05, t_max=10.0, t_steps=120, held_out_check=False)
+    assert halves.pooled_after < halves.pooled_before
+    assert halves.fold_pooled_after[0] > halves.fold_pooled_before[0]  # B, scored with A's fit
+    assert halves.fold_pooled_after[1] < halves.fold_pooled_before[1]
+    assert not halves.helps_both_ways
+    fit = fit_sts(rec, t_min=0.05, t_max=10.0, t_steps=120)
+    assert fit.temperatures == [1.0] * 4 and fit.status[0] == NO_GAIN

@@ -85,7 +85,7 @@ def test_train_writes_the_contract_5_layout_on_memory(tiny_qwen3_target, samples
     assert torch.equal(ckpt["fc.weight"].to(torch.bfloat16), export["fc.weight"])
     # ...except the confidence head's bias, refitted on the validation samples (and recorded).
     assert manifest["config"]["train"]["fit_confidence_bias"] is True
-    assert manifest["config"]["train"]["detach_confidence_inputs"] is True
+    assert "detach_confidence_inputs" not in manifest["config"]["train"]  # off: the earlier runs' config
     bias = manifest["extra"]["confidence_bias"]
     assert bias["samples"] == 3 and bias["slots"] > 0 and bias["shift"] != 0
     assert abs(bias["mean_confidence_after"] - bias["mean_target"]) < 1e-6
@@ -122,19 +122,25 @@ def test_a_drafter_without_confidence_head_has_no_bias_to_refit(tiny_qwen3_targe
         assert key not in manifest["config"]["train"], key
 
 
-@pytest.mark.parametrize("key", ["fit_confidence_bias", "detach_confidence_inputs"])
-def test_a_run_from_before_an_added_key_is_refused_with_the_key_that_keeps_it(
-        tiny_qwen3_target, samples, memory_url, key):
-    out = storage.join(memory_url, f"earlier-{key}")
+def test_a_run_from_before_the_bias_refit_is_refused_with_the_key_that_keeps_it(
+        tiny_qwen3_target, samples, memory_url):
+    out = storage.join(memory_url, "earlier")
     earlier = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=1", "train.eval_samples=0",
-                                         f"train.{key}=false"))
+                                         "train.fit_confidence_bias=false"))
     first = train(earlier, "features://tiny", out, dataset=samples).manifest
-    assert key not in first["config"]["train"]  # what the earlier release wrote
+    assert "fit_confidence_bias" not in first["config"]["train"]  # what the earlier release wrote
     now = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=1", "train.eval_samples=0"))
-    with pytest.raises(StageConflictError, match=f"train.{key}") as refused:
+    with pytest.raises(StageConflictError, match="train.fit_confidence_bias") as refused:
         train(now, "features://tiny", out, dataset=samples)
-    assert f"train.{key}=false" in refused.value.hint
+    assert "train.fit_confidence_bias=false" in refused.value.hint
     assert train(earlier, "features://tiny", out, dataset=samples).done
+    # Turning on an opt-in key is another run; the hint names the value that keeps this one.
+    detached = load_config(None, sets_for(tiny_qwen3_target, "train.max_steps=1", "train.eval_samples=0",
+                                          "train.fit_confidence_bias=false",
+                                          "train.detach_confidence_inputs=true"))
+    with pytest.raises(StageConflictError, match="train.detach_confidence_inputs") as other:
+        train(detached, "features://tiny", out, dataset=samples)
+    assert "train.detach_confidence_inputs=false" in other.value.hint
 
 
 def test_the_final_norm_gets_its_own_lr_only_when_scaled(tiny_qwen3_target):
@@ -156,10 +162,7 @@ def test_training_lowers_the_loss(tiny_qwen3_target, samples, tmp_path):
                                      "train.global_batch=2", "train.save_every=100", "train.eval_samples=0"))
     train(cfg, "features://tiny", str(tmp_path), dataset=samples)
     rows = metrics(str(tmp_path))
-    # The tiny drafter's loss is mostly the confidence BCE, which (its inputs detached) only the
-    # head's own weights lower, slowly; the drafting term is the one that must fall fast.
-    assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["conf_bce"] < rows[0]["conf_bce"]
-    assert rows[-1]["tv"] < 0.7 * rows[0]["tv"]
+    assert rows[-1]["loss"] < 0.9 * rows[0]["loss"]
 
 
 def test_sigkill_after_a_checkpoint_then_resume_gives_the_same_losses(tiny_qwen3_target, tmp_path):
