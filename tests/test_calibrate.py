@@ -265,3 +265,7 @@ def test_a_fit_that_helps_one_fold_and_hurts_the_other_ships_t1():
     assert not halves.helps_both_ways
     fit = fit_sts(rec, t_min=0.05, t_max=10.0, t_steps=120)
     assert fit.temperatures == [1.0] * 4 and fit.status[0] == NO_GAIN
+    # The file keeps each direction's figures, so a reader sees which one failed.
+    obj = calibration_file(fit, halves, dataset="d", extra={})
+    assert obj["cross_fit"]["fold_pooled_ece_after"] == halves.fold_pooled_after
+    assert obj["cross_fit"]["fold_pooled_ece_before"] == halves.fold_pooled_before

@@ -357,7 +357,10 @@ def calibration_file(fit: StsFit, cross: CrossFit | None, *, dataset: str, extra
             "folds": 2, "split": "conversations, alternately", "rounds": cross.fold_rounds,
             "conversations": cross.fold_conversations, "temperatures": cross.fold_temperatures,
             "samples": cross.samples, "procedure_ece_after": cross.ece_after,
-            "procedure_pooled_ece_after": cross.pooled_after},
+            "procedure_pooled_ece_after": cross.pooled_after,
+            # per direction (fold B scored with A's fit, then A with B's): which one a fit failed
+            "fold_pooled_ece_before": [_float(e) for e in cross.fold_pooled_before],
+            "fold_pooled_ece_after": [_float(e) for e in cross.fold_pooled_after]},
         **extra,
         "per_position": fit.per_position,
     }
