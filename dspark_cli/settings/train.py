@@ -14,6 +14,9 @@ RUNTIME_KEYS = ("prefetch_batches",)
 #: that value, so a run of that release still resumes and is still reused.
 EARLIER_BEHAVIOUR = {"init_output_gain": 1.0, "output_norm_lr_scale": 1.0, "fit_confidence_bias": False,
                      "detach_confidence_inputs": False}
+#: Keys that act only on the confidence head: left out of a headless drafter's stage config (a
+#: DFlash baseline's), so adding one never changes those runs.
+CONFIDENCE_HEAD_KEYS = ("fit_confidence_bias", "detach_confidence_inputs")
 
 
 @dataclass

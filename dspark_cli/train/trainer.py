@@ -36,7 +36,7 @@ from ..model.export import export_drafter
 from ..model.frozen import attach_frozen
 from ..model.init_gain import OutputGain, describe_gain, set_output_gain
 from ..sample import Sample
-from ..settings.train import EARLIER_BEHAVIOUR, RUNTIME_KEYS
+from ..settings.train import CONFIDENCE_HEAD_KEYS, EARLIER_BEHAVIOUR, RUNTIME_KEYS
 from ..stage import StageResult, already_done, completed
 from ..target.dtypes import resolve_device
 from ..target.files import load_config, num_layers
@@ -170,8 +170,8 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
         if train_config[key] == earlier:
             del train_config[key]
     if not dcfg.enable_confidence_head:  # no confidence loss: a DFlash baseline's run is unchanged
-        train_config.pop("fit_confidence_bias", None)
-        train_config.pop("detach_confidence_inputs", None)
+        for key in CONFIDENCE_HEAD_KEYS:
+            train_config.pop(key, None)
     stage_config = {"target": {**cfg.target.to_dict(), "layers": list(dcfg.target_layer_ids)},
                     "model": cfg.model.to_dict(), "train": train_config}
     if online:  # what `cache build` would have recorded about rendering
