@@ -122,6 +122,17 @@ def test_a_drafter_without_confidence_head_has_no_bias_to_refit(tiny_qwen3_targe
         assert key not in manifest["config"]["train"], key
 
 
+def test_a_drafter_without_markov_head_leaves_its_lr_scale_out(tiny_qwen3_target, samples, memory_url):
+    sets = sets_for(tiny_qwen3_target, "train.max_steps=1", "train.eval_samples=0", "train.markov_lr_scale=5")
+    with_head = train(load_config(None, sets), "features://tiny", storage.join(memory_url, "markov"),
+                      dataset=samples).manifest
+    assert with_head["config"]["train"]["markov_lr_scale"] == 5
+    no_markov = [*sets, "model.markov_head_type=none", "model.confidence_head_with_markov=false"]
+    headless = train(load_config(None, no_markov), "features://tiny", storage.join(memory_url, "nomarkov"),
+                     dataset=samples).manifest
+    assert "markov_lr_scale" not in headless["config"]["train"]  # a DFlash baseline's runs stay reusable
+
+
 def test_a_run_from_before_the_bias_refit_is_refused_with_the_key_that_keeps_it(
         tiny_qwen3_target, samples, memory_url):
     out = storage.join(memory_url, "earlier")
@@ -155,6 +166,25 @@ def test_the_final_norm_gets_its_own_lr_only_when_scaled(tiny_qwen3_target):
     rest, norm = param_groups(drafter, 1e-3, 10.0)
     assert norm["params"] == [drafter.norm.weight] and norm["lr"] == pytest.approx(1e-2)
     assert len(rest["params"]) == len(trainable) - 1 and "lr" not in rest
+
+
+def test_the_markov_head_gets_its_own_lr_only_when_scaled(tiny_qwen3_target):
+    from fixtures.drafter import drafter_config
+
+    from dspark_cli.model.drafter import DSparkDrafter
+    from dspark_cli.train.trainer import param_groups
+
+    drafter = DSparkDrafter(drafter_config(tiny_qwen3_target, markov_head_type="gated"))
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    markov = list(drafter.markov_head.parameters())
+    assert len(markov) == 4  # W1, W2, gate weight and bias
+    rest, norm, head = param_groups(drafter, 1e-3, 2.0, 5.0)
+    assert head["params"] == markov and head["lr"] == pytest.approx(5e-3)
+    assert norm["params"] == [drafter.norm.weight] and norm["lr"] == pytest.approx(2e-3)
+    assert len(rest["params"]) + 1 + len(markov) == len(trainable)
+    headless = DSparkDrafter(drafter_config(tiny_qwen3_target, markov_head_type="none",
+                                            confidence_head_with_markov=False))
+    assert len(param_groups(headless, 1e-3, 1.0, 5.0)) == 1  # nothing to scale
 
 
 def test_training_lowers_the_loss(tiny_qwen3_target, samples, tmp_path):

@@ -13,9 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-
-MARKOV_TYPES = ("vanilla", "gated", "rnn", "none")
-CONVENTIONS = ("anchor_first", "fill_in")
+from ..settings.model import CONVENTIONS, MARKOV_TYPES, ModelSettings
 
 
 @dataclass
@@ -40,14 +38,14 @@ class DrafterConfig:
     # Which target features and tokens the drafter reads.
     target_layer_ids: list[int] = field(default_factory=list)
     mask_token_id: int = 0
-    # DSpark choices ([model] settings).
-    num_draft_layers: int = 5
-    block_size: int = 7
-    block_convention: str = "anchor_first"
-    markov_head_type: str = "vanilla"
-    markov_rank: int = 256
-    enable_confidence_head: bool = True
-    confidence_head_with_markov: bool = True
+    # DSpark choices: the [model] settings, whose defaults are the defaults here too.
+    num_draft_layers: int = ModelSettings.num_draft_layers
+    block_size: int = ModelSettings.block_size
+    block_convention: str = ModelSettings.block_convention
+    markov_head_type: str = ModelSettings.markov_head_type
+    markov_rank: int = ModelSettings.markov_rank
+    enable_confidence_head: bool = ModelSettings.enable_confidence_head
+    confidence_head_with_markov: bool = ModelSettings.confidence_head_with_markov
 
     def __post_init__(self) -> None:
         self.validate()

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from .base import Section
 
+MARKOV_TYPES = ("vanilla", "gated", "rnn", "none")
+CONVENTIONS = ("anchor_first", "fill_in")
+
 
 @dataclass
 class ModelSettings(Section):
@@ -30,9 +33,9 @@ class ModelSettings(Section):
             self.fail("num_draft_layers", f"must be > 0, got {self.num_draft_layers}.")
         if self.block_size < 2:
             self.fail("block_size", f"must be >= 2, got {self.block_size}.")
-        if self.block_convention not in ("anchor_first", "fill_in"):
+        if self.block_convention not in CONVENTIONS:
             self.fail("block_convention", f"must be anchor_first or fill_in, got {self.block_convention!r}.")
-        if self.markov_head_type not in ("vanilla", "gated", "rnn", "none"):
+        if self.markov_head_type not in MARKOV_TYPES:
             self.fail("markov_head_type",
                       f"must be vanilla, gated, rnn or none, got {self.markov_head_type!r}.")
         if self.markov_rank <= 0:

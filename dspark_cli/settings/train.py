@@ -13,10 +13,12 @@ RUNTIME_KEYS = ("prefetch_batches",)
 #: Keys added after a release, with the value that reproduces it: left out of the stage config at
 #: that value, so a run of that release still resumes and is still reused.
 EARLIER_BEHAVIOUR = {"init_output_gain": 1.0, "output_norm_lr_scale": 1.0, "fit_confidence_bias": False,
-                     "detach_confidence_inputs": False}
+                     "detach_confidence_inputs": False, "markov_lr_scale": 1.0}
 #: Keys that act only on the confidence head: left out of a headless drafter's stage config (a
 #: DFlash baseline's), so adding one never changes those runs.
 CONFIDENCE_HEAD_KEYS = ("fit_confidence_bias", "detach_confidence_inputs")
+#: Keys that act only on the Markov head: left out of the stage config of a drafter without one.
+MARKOV_HEAD_KEYS = ("markov_lr_scale",)
 
 
 @dataclass
@@ -58,6 +60,10 @@ class TrainSettings(Section):
     #: The final norm's learning rate as a multiple of lr (a low init gain caps every logit until
     #: AdamW, about lr per step, has grown it back).
     output_norm_lr_scale: float = 1.0
+    #: The Markov head's learning rate (W1, W2 and its gate) as a multiple of lr. Each W1 row is
+    #: updated only on the steps its token comes before a draft slot, so at a small budget the
+    #: head lags the backbone.
+    markov_lr_scale: float = 1.0
     #: Fraction of the peak lr the cosine decays to.
     min_lr_ratio: float = 0.1
     #: auto (bf16 autocast where the device supports it), bf16, or fp32.
@@ -123,5 +129,7 @@ class TrainSettings(Section):
             self.fail("init_output_gain", f"must be in (0, 10], got {self.init_output_gain}.")
         if self.output_norm_lr_scale <= 0:
             self.fail("output_norm_lr_scale", f"must be > 0, got {self.output_norm_lr_scale}.")
+        if self.markov_lr_scale <= 0:
+            self.fail("markov_lr_scale", f"must be > 0, got {self.markov_lr_scale}.")
         if self.export_dtype not in DTYPE_NAMES:
             self.fail("export_dtype", f"must be one of {', '.join(DTYPE_NAMES)}, got {self.export_dtype!r}.")

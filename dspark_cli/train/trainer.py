@@ -36,7 +36,7 @@ from ..model.export import export_drafter
 from ..model.frozen import attach_frozen
 from ..model.init_gain import OutputGain, describe_gain, set_output_gain
 from ..sample import Sample
-from ..settings.train import CONFIDENCE_HEAD_KEYS, EARLIER_BEHAVIOUR, RUNTIME_KEYS
+from ..settings.train import CONFIDENCE_HEAD_KEYS, EARLIER_BEHAVIOUR, MARKOV_HEAD_KEYS, RUNTIME_KEYS
 from ..stage import StageResult, already_done, completed
 from ..target.dtypes import resolve_device
 from ..target.files import load_config, num_layers
@@ -104,14 +104,21 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float) -> Callab
     return factor
 
 
-def param_groups(drafter: DSparkDrafter, lr: float, norm_scale: float) -> list[dict[str, Any]]:
-    """The trainable weights; the final norm in a group of its own when its lr is scaled (one
-    group otherwise, the layout earlier checkpoints were saved with)."""
+def param_groups(drafter: DSparkDrafter, lr: float, norm_scale: float = 1.0,
+                 markov_scale: float = 1.0) -> list[dict[str, Any]]:
+    """The trainable weights; the final norm and the Markov head each in a group of their own when
+    their lr is scaled (one group otherwise, the layout earlier checkpoints were saved with)."""
     trainable = [p for p in drafter.parameters() if p.requires_grad]
-    if norm_scale == 1.0:
+    scaled: list[tuple[list[torch.nn.Parameter], float]] = []
+    if norm_scale != 1.0:
+        scaled.append(([drafter.norm.weight], norm_scale))
+    if markov_scale != 1.0 and drafter.markov_head is not None:
+        scaled.append(([p for p in drafter.markov_head.parameters() if p.requires_grad], markov_scale))
+    if not scaled:
         return [{"params": trainable}]
-    norm = drafter.norm.weight
-    return [{"params": [p for p in trainable if p is not norm]}, {"params": [norm], "lr": lr * norm_scale}]
+    own = {id(p) for params, _ in scaled for p in params}
+    return [{"params": [p for p in trainable if id(p) not in own]},
+            *({"params": params, "lr": lr * scale} for params, scale in scaled)]
 
 
 def drafter_config_for(cfg: PipelineConfig, meta: dict[str, Any]) -> DrafterConfig:
@@ -172,6 +179,9 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     if not dcfg.enable_confidence_head:  # no confidence loss: a DFlash baseline's run is unchanged
         for key in CONFIDENCE_HEAD_KEYS:
             train_config.pop(key, None)
+    if dcfg.markov_head_type == "none":  # no Markov head: neither is it
+        for key in MARKOV_HEAD_KEYS:
+            train_config.pop(key, None)
     stage_config = {"target": {**cfg.target.to_dict(), "layers": list(dcfg.target_layer_ids)},
                     "model": cfg.model.to_dict(), "train": train_config}
     if online:  # what `cache build` would have recorded about rendering
@@ -216,7 +226,7 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     if world.world_size > 1:
         module = torch.nn.parallel.DistributedDataParallel(
             module, device_ids=[device.index] if device.type == "cuda" else None)
-    groups = param_groups(drafter, tc.lr, tc.output_norm_lr_scale)
+    groups = param_groups(drafter, tc.lr, tc.output_norm_lr_scale, tc.markov_lr_scale)
     params = [p for group in groups for p in group["params"]]
     optimizer = torch.optim.AdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, tc.warmup_ratio,
