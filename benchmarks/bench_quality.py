@@ -108,6 +108,19 @@ def load_report(cfg: PipelineConfig, name: str) -> dict:
     return json.loads((eval_dir(cfg, name) / "report.json").read_text())
 
 
+def stage_seconds(cfg: PipelineConfig) -> dict[str, float | None]:
+    """Each bench stage's wall time as its manifest recorded it when it ran: a stage reused from an
+    earlier run (or a --report-only summary) still says what it cost."""
+    folders = {**{f"train_{n}": train_dir(cfg, n) for n, _ in DRAFTERS}, "calibrate": calibration_dir(cfg),
+               **{f"eval_{n}": eval_dir(cfg, n) for n, _ in DRAFTERS}}
+    seconds: dict[str, float | None] = {}
+    for name, folder in folders.items():
+        path = folder / "manifest.json"
+        timings = json.loads(path.read_text()).get("timings", {}) if path.is_file() else {}
+        seconds[name] = timings.get("wall_seconds")
+    return seconds
+
+
 def summarise(cfg: PipelineConfig, timings: dict[str, float] | None) -> dict:
     root = Path(cfg.pipeline.work_dir)
     reports = {name: load_report(cfg, name) for name in ("dflash", "dspark")}
@@ -136,7 +149,7 @@ def summarise(cfg: PipelineConfig, timings: dict[str, float] | None) -> dict:
         "conversations": {d["name"]: d["conversations"] for d in reports["dspark"]["datasets"]},
         "max_new_tokens": reports["dspark"]["max_new_tokens"],
         "temperature": reports["dspark"]["temperature"],
-        "timings_s": timings,
+        "timings_s": timings, "stage_wall_s": stage_seconds(cfg),
         "goals": {f"ratio_macro>={GOAL_RATIO}": bool(ratio["macro"] and ratio["macro"] >= GOAL_RATIO),
                   f"ratio_lower95>={GOAL_RATIO_LOWER}": bool(low >= GOAL_RATIO_LOWER),
                   f"ece_after_out_of_sample<={GOAL_ECE}": bool(ece.get("out_of_sample") and ece.get(
@@ -212,6 +225,8 @@ def markdown(summary: dict) -> str:
         "validation prompts); by position, after STS: "
         + " ".join(fmt(after, "{:.1%}") for _, after in summary["ece_by_position"]) + ".",
         f"Plot: {summary['plot']}",
+        "Stage wall seconds, as each stage's manifest recorded them when it ran: "
+        + ", ".join(f"{k} {fmt(v, '{:.0f}')}" for k, v in summary.get("stage_wall_s", {}).items()) + ".",
     ])
 
 

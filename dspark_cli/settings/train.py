@@ -60,9 +60,9 @@ class TrainSettings(Section):
     #: The final norm's learning rate as a multiple of lr (a low init gain caps every logit until
     #: AdamW, about lr per step, has grown it back).
     output_norm_lr_scale: float = 1.0
-    #: The Markov head's learning rate (W1, W2 and its gate) as a multiple of lr. Each W1 row is
-    #: updated only on the steps its token comes before a draft slot, so at a small budget the
-    #: head lags the backbone.
+    #: The Markov head's vocabulary tables W1 and W2 at this multiple of lr (a gate keeps lr). Each
+    #: W1 row learns only on the steps its token comes before a draft slot, so at a small budget
+    #: the head lags the backbone (10 in the SmolLM2 configs; docs/train.md).
     markov_lr_scale: float = 1.0
     #: Fraction of the peak lr the cosine decays to.
     min_lr_ratio: float = 0.1

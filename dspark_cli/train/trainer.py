@@ -106,14 +106,15 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float) -> Callab
 
 def param_groups(drafter: DSparkDrafter, lr: float, norm_scale: float = 1.0,
                  markov_scale: float = 1.0) -> list[dict[str, Any]]:
-    """The trainable weights; the final norm and the Markov head each in a group of their own when
-    their lr is scaled (one group otherwise, the layout earlier checkpoints were saved with)."""
+    """The trainable weights; the final norm and the Markov head's W1/W2 each in a group of their own
+    when their lr is scaled (one group otherwise, the layout earlier checkpoints were saved with)."""
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     scaled: list[tuple[list[torch.nn.Parameter], float]] = []
     if norm_scale != 1.0:
         scaled.append(([drafter.norm.weight], norm_scale))
-    if markov_scale != 1.0 and drafter.markov_head is not None:
-        scaled.append(([p for p in drafter.markov_head.parameters() if p.requires_grad], markov_scale))
+    if markov_scale != 1.0 and drafter.markov_head is not None:  # its vocabulary tables, not a gate
+        head = drafter.markov_head
+        scaled.append(([head.markov_w1.weight, head.markov_w2.weight], markov_scale))
     if not scaled:
         return [{"params": trainable}]
     own = {id(p) for params, _ in scaled for p in params}
