@@ -44,6 +44,7 @@ from benchmarks.common import (
 from dspark_cli.config import PipelineConfig
 from dspark_cli.decode.calibrate import summary as calibration_summary
 from dspark_cli.decode.report import accepted_lengths, conversation_ratio_interval, macro_ratio_interval
+from dspark_cli.manifest import read_manifest
 from dspark_cli.report import display_name, pooled_conditional
 
 GOAL_RATIO = 1.15
@@ -113,12 +114,8 @@ def stage_seconds(cfg: PipelineConfig) -> dict[str, float | None]:
     earlier run (or a --report-only summary) still says what it cost."""
     folders = {**{f"train_{n}": train_dir(cfg, n) for n, _ in DRAFTERS}, "calibrate": calibration_dir(cfg),
                **{f"eval_{n}": eval_dir(cfg, n) for n, _ in DRAFTERS}}
-    seconds: dict[str, float | None] = {}
-    for name, folder in folders.items():
-        path = folder / "manifest.json"
-        timings = json.loads(path.read_text()).get("timings", {}) if path.is_file() else {}
-        seconds[name] = timings.get("wall_seconds")
-    return seconds
+    manifests = {name: read_manifest(str(folder)) or {} for name, folder in folders.items()}
+    return {name: m.get("timings", {}).get("wall_seconds") for name, m in manifests.items()}
 
 
 def summarise(cfg: PipelineConfig, timings: dict[str, float] | None) -> dict:
@@ -226,7 +223,7 @@ def markdown(summary: dict) -> str:
         + " ".join(fmt(after, "{:.1%}") for _, after in summary["ece_by_position"]) + ".",
         f"Plot: {summary['plot']}",
         "Stage wall seconds, as each stage's manifest recorded them when it ran: "
-        + ", ".join(f"{k} {fmt(v, '{:.0f}')}" for k, v in summary.get("stage_wall_s", {}).items()) + ".",
+        + ", ".join(f"{k} {fmt(v, '{:.0f}')}" for k, v in summary["stage_wall_s"].items()) + ".",
     ])
 
 

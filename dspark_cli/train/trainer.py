@@ -177,12 +177,11 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     for key, earlier in EARLIER_BEHAVIOUR.items():
         if train_config[key] == earlier:
             del train_config[key]
-    if not dcfg.enable_confidence_head:  # no confidence loss: a DFlash baseline's run is unchanged
-        for key in CONFIDENCE_HEAD_KEYS:
-            train_config.pop(key, None)
-    if dcfg.markov_head_type == "none":  # no Markov head: neither is it
-        for key in MARKOV_HEAD_KEYS:
-            train_config.pop(key, None)
+    # Keys of a head the drafter lacks: a DFlash baseline's run is unchanged by them.
+    absent = ((() if dcfg.enable_confidence_head else CONFIDENCE_HEAD_KEYS)
+              + (MARKOV_HEAD_KEYS if dcfg.markov_head_type == "none" else ()))
+    for key in absent:
+        train_config.pop(key, None)
     stage_config = {"target": {**cfg.target.to_dict(), "layers": list(dcfg.target_layer_ids)},
                     "model": cfg.model.to_dict(), "train": train_config}
     if online:  # what `cache build` would have recorded about rendering
