@@ -18,6 +18,8 @@ from dspark_cli import storage
 from dspark_cli.config import load_config
 from dspark_cli.errors import StageConflictError
 from dspark_cli.manifest import read_manifest
+from dspark_cli.model.export import load_drafter
+from dspark_cli.model.markov_init import embedding_rows
 from dspark_cli.train.checkpoint import committed_steps
 from dspark_cli.train.trainer import train
 
@@ -122,15 +124,22 @@ def test_a_drafter_without_confidence_head_has_no_bias_to_refit(tiny_qwen3_targe
         assert key not in manifest["config"]["train"], key
 
 
-def test_a_drafter_without_markov_head_leaves_its_lr_scale_out(tiny_qwen3_target, samples, memory_url):
-    sets = sets_for(tiny_qwen3_target, "train.max_steps=1", "train.eval_samples=0", "train.markov_lr_scale=5")
+def test_a_drafter_without_markov_head_leaves_its_keys_out(tiny_qwen3_target, samples, memory_url):
+    sets = sets_for(tiny_qwen3_target, "train.max_steps=1", "train.eval_samples=0", "train.markov_lr_scale=5",
+                    "train.markov_init=embedding")
     with_head = train(load_config(None, sets), "features://tiny", storage.join(memory_url, "markov"),
                       dataset=samples).manifest
     assert with_head["config"]["train"]["markov_lr_scale"] == 5
+    assert with_head["config"]["train"]["markov_init"] == "embedding"
+    trained = load_drafter(storage.join(memory_url, "markov"), target=str(tiny_qwen3_target))
+    start = embedding_rows(trained.embed_tokens.weight, trained.config.markov_rank)
+    w1 = trained.markov_head.markov_w1.weight.float()  # one step from its start: still close to it
+    assert torch.nn.functional.cosine_similarity(w1.flatten(), start.flatten(), dim=0) > 0.9
     no_markov = [*sets, "model.markov_head_type=none", "model.confidence_head_with_markov=false"]
     headless = train(load_config(None, no_markov), "features://tiny", storage.join(memory_url, "nomarkov"),
                      dataset=samples).manifest
-    assert "markov_lr_scale" not in headless["config"]["train"]  # a DFlash baseline's runs stay reusable
+    for key in ("markov_lr_scale", "markov_init"):  # a DFlash baseline's runs stay reusable
+        assert key not in headless["config"]["train"], key
 
 
 def test_a_run_from_before_the_bias_refit_is_refused_with_the_key_that_keeps_it(

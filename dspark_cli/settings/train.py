@@ -8,17 +8,20 @@ from ..target.dtypes import DTYPE_NAMES
 from .base import Section
 
 SOURCES = ("cache", "online")
+#: Where a fresh Markov head's W1 rows start (model/markov_init.py).
+MARKOV_INITS = ("random", "embedding")
 #: Keys that change how fast training runs, not what it computes (left out of the stage config).
 RUNTIME_KEYS = ("prefetch_batches",)
 #: Keys added after a release, with the value that reproduces it: left out of the stage config at
 #: that value, so a run of that release still resumes and is still reused.
 EARLIER_BEHAVIOUR = {"init_output_gain": 1.0, "output_norm_lr_scale": 1.0, "fit_confidence_bias": False,
-                     "detach_confidence_inputs": False, "markov_lr_scale": 1.0}
+                     "detach_confidence_inputs": False, "markov_lr_scale": 1.0,
+                     "markov_init": "random"}
 #: Keys that act only on the confidence head: left out of a headless drafter's stage config (a
 #: DFlash baseline's), so adding one never changes those runs.
 CONFIDENCE_HEAD_KEYS = ("fit_confidence_bias", "detach_confidence_inputs")
 #: Keys that act only on the Markov head: left out of the stage config of a drafter without one.
-MARKOV_HEAD_KEYS = ("markov_lr_scale",)
+MARKOV_HEAD_KEYS = ("markov_lr_scale", "markov_init")
 
 
 @dataclass
@@ -65,6 +68,10 @@ class TrainSettings(Section):
     #: live τ 6.7% at 111 steps but memorised the training bigrams by 592 and lost 6% there
     #: (docs/train.md), so 1 stays the default.
     markov_lr_scale: float = 1.0
+    #: A fresh Markov head's W1 rows: "random" (N(0, 0.02²), the earlier behaviour) or "embedding"
+    #: (the target's embedding on its top-r principal directions, same spread), so tokens the target
+    #: embeds alike start alike (docs/train.md). The export's form is the same either way.
+    markov_init: str = "random"
     #: Fraction of the peak lr the cosine decays to.
     min_lr_ratio: float = 0.1
     #: auto (bf16 autocast where the device supports it), bf16, or fp32.
@@ -132,5 +139,7 @@ class TrainSettings(Section):
             self.fail("output_norm_lr_scale", f"must be > 0, got {self.output_norm_lr_scale}.")
         if self.markov_lr_scale <= 0:
             self.fail("markov_lr_scale", f"must be > 0, got {self.markov_lr_scale}.")
+        if self.markov_init not in MARKOV_INITS:
+            self.fail("markov_init", f"must be {' or '.join(MARKOV_INITS)}, got {self.markov_init!r}.")
         if self.export_dtype not in DTYPE_NAMES:
             self.fail("export_dtype", f"must be one of {', '.join(DTYPE_NAMES)}, got {self.export_dtype!r}.")

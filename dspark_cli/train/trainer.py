@@ -35,6 +35,7 @@ from ..model.drafter import DSparkDrafter
 from ..model.export import export_drafter
 from ..model.frozen import attach_frozen
 from ..model.init_gain import OutputGain, describe_gain, set_output_gain
+from ..model.markov_init import init_markov_rows
 from ..sample import Sample
 from ..settings.train import CONFIDENCE_HEAD_KEYS, EARLIER_BEHAVIOUR, MARKOV_HEAD_KEYS, RUNTIME_KEYS
 from ..stage import StageResult, already_done, completed
@@ -201,6 +202,7 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
         built = DSparkDrafter(dcfg)
         attach_frozen(built, dcfg.target_model)  # reads the target's embedding: the stage's probe
         init_gain = set_output_gain(built, tc.init_output_gain, dataset)  # a resume then loads its own
+        init_markov_rows(built.markov_head, built.embed_tokens.weight, tc.markov_init)
         return built
 
     drafter = None
