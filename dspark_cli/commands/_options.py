@@ -23,3 +23,12 @@ DeviceOpt = Annotated[
     typer.Option("--device", help="Where the target and drafter run: auto, cpu, cuda or cuda:N "
                                   "(target.device)."),
 ]
+TargetOpt = Annotated[
+    str | None,
+    typer.Option("--target", help="Target model folder or hub id (target.model)."),
+]
+DrafterOpt = Annotated[
+    str | None,
+    typer.Option("--drafter", help="Train artifact, checkpoint dir or export folder "
+                                   "(default: <work_dir>/train)."),
+]

@@ -15,17 +15,16 @@ import typer
 from ..console import console, out
 from ..stage import say_if_done
 from ._common import load
-from ._options import ConfigOpt, DeviceOpt, ForceOpt, SetOpt
+from ._options import ConfigOpt, DeviceOpt, DrafterOpt, ForceOpt, SetOpt, TargetOpt
 
 
 def calibrate_cmd(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     force: ForceOpt = False,
-    target: Annotated[str | None, typer.Option(help="Target model folder or hub id (target.model).")] = None,
+    target: TargetOpt = None,
     device: DeviceOpt = None,
-    drafter: Annotated[str | None, typer.Option(
-        help="Train artifact, checkpoint dir or export folder (default: <work_dir>/train).")] = None,
+    drafter: DrafterOpt = None,
     dataset: Annotated[str | None, typer.Option(
         help="Prompt/response artifact (validation split) or JSONL (default: <work_dir>/prompts).")] = None,
     output: Annotated[str | None, typer.Option("--output", "-o",

@@ -16,7 +16,7 @@ import typer
 from ..console import console, out
 from ..stage import say_if_done
 from ._common import load
-from ._options import ConfigOpt, DeviceOpt, ForceOpt, SetOpt
+from ._options import ConfigOpt, DeviceOpt, DrafterOpt, ForceOpt, SetOpt, TargetOpt
 
 eval_app = typer.Typer(help="Speculative decoding with the real target; the losslessness audit.",
                        invoke_without_command=True, rich_markup_mode=None)
@@ -32,10 +32,9 @@ def eval_cmd(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     force: ForceOpt = False,
-    target: Annotated[str | None, typer.Option(help="Target model folder or hub id (target.model).")] = None,
+    target: TargetOpt = None,
     device: DeviceOpt = None,
-    drafter: Annotated[str | None, typer.Option(
-        help="Train artifact, checkpoint dir or export folder (default: <work_dir>/train).")] = None,
+    drafter: DrafterOpt = None,
     dataset: Annotated[list[str] | None, typer.Option(
         help='{"turns": [...]} JSONL or a prompt/response artifact URL (repeatable).')] = None,
     output: Annotated[str | None, typer.Option("--output", "-o",

@@ -17,14 +17,14 @@ import typer
 from ..console import console, out
 from ..stage import say_if_done
 from ._common import load
-from ._options import ConfigOpt, ForceOpt, SetOpt
+from ._options import ConfigOpt, ForceOpt, SetOpt, TargetOpt
 
 
 def profile_cmd(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     force: ForceOpt = False,
-    target: Annotated[str | None, typer.Option(help="Target model folder or hub id (target.model).")] = None,
+    target: TargetOpt = None,
     output: Annotated[str | None, typer.Option("--output", "-o",
                                                help="Output URL (default: <work_dir>/profile).")] = None,
     batch_tokens: Annotated[str | None, typer.Option(
