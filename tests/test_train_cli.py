@@ -58,6 +58,14 @@ def test_train_from_cache_then_reload(cache, tiny_qwen3_target, tmp_path, capsys
     assert drafter.config.target_model == str(tiny_qwen3_target)
     assert drafter.block_size == 3 and torch.isfinite(drafter.fc.weight).all()
 
+    # Its last checkpoint drafts like the export but predates the held-out bias refit: said, once.
+    shift = read_manifest(out)["extra"]["confidence_bias"]["shift"]
+    assert run("export", f"{out}/checkpoints/step-00000003", str(tmp_path / "from-checkpoint")) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"before its run's held-out bias refit ({shift:+.3f})" in err and f"pass {out} for" in err
+    assert run("export", out, str(tmp_path / "from-run")) == 0
+    assert "bias refit" not in capsys.readouterr().err
+
 
 def test_missing_mask_token_is_one_line_error(cache, tmp_path, capsys):
     code = run("train", "--cache", cache, "--output", str(tmp_path / "t"), "--max-steps", "1",

@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 import torch
+from rich.markup import escape
 
 from .. import manifest, storage
 from ..config import PipelineConfig
@@ -39,8 +40,11 @@ def _target_input(cfg: PipelineConfig, target: str, output_url: str) -> str:
 
 
 def load_models(cfg: PipelineConfig, target: str, drafter_url: str) -> tuple[Any, Any, Any]:
-    from ..model.export import load_drafter
+    from ..model.export import load_drafter, resolve_drafter_url
+    from ..train.checkpoint import unrefit_note
 
+    if note := unrefit_note(resolve_drafter_url(drafter_url)):
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
     loaded = Target.from_settings(cfg.target, path=target)
     # The drafter computes in the target's dtype: on CPUs with native bf16 a bf16 draft round was
     # measured 3x faster than fp32 (issue 16; bench-decode prints both).

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .. import storage
+from ..manifest import read_manifest
 from ..model.drafter import DSparkDrafter
 from ..model.export import save_weights
 
@@ -31,6 +32,21 @@ def step_name(step: int) -> str:
 
 def checkpoints_url(url: str) -> str:
     return storage.join(url, CHECKPOINTS)
+
+
+def unrefit_note(url: str) -> str | None:
+    """Why a run's checkpoint drafts like its export but is not calibrated like it: the export carries
+    the held-out confidence-bias refit (train.fit_confidence_bias), fitted after the last checkpoint
+    was saved. None for anything but a checkpoint of a run that recorded a refit."""
+    root, sep, _ = url.rstrip("/").rpartition(f"/{CHECKPOINTS}/")
+    if not sep:
+        return None
+    bias = ((read_manifest(root) or {}).get("extra") or {}).get("confidence_bias") or {}
+    if "shift" not in bias:
+        return None
+    return (f"{url} has the confidence head from before its run's held-out bias refit "
+            f"({bias['shift']:+.3f}), which {storage.join(root, 'export')} carries; pass {root} for the "
+            "refit head (its confidences, and a calibration fitted on them, differ).")
 
 
 def _save_torch(url: str, obj: Any) -> None:
