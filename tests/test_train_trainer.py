@@ -161,6 +161,14 @@ def test_a_run_from_before_the_bias_refit_is_refused_with_the_key_that_keeps_it(
     with pytest.raises(StageConflictError, match="train.detach_confidence_inputs") as other:
         train(detached, "features://tiny", out, dataset=samples)
     assert "train.detach_confidence_inputs=false" in other.value.hint
+    assert "that run was made at" in other.value.hint
+    # The other way round, a run made with the key on, asked for without it: that run was not
+    # made at the earlier value, so no hint claims it was.
+    on = storage.join(memory_url, "opted-in")
+    assert train(detached, "features://tiny", on, dataset=samples).manifest
+    with pytest.raises(StageConflictError, match="train.detach_confidence_inputs") as back:
+        train(earlier, "features://tiny", on, dataset=samples)
+    assert "detach_confidence_inputs=false" not in (back.value.hint or "")
 
 
 def test_the_final_norm_gets_its_own_lr_only_when_scaled(tiny_qwen3_target):

@@ -27,7 +27,7 @@ from .. import storage
 from ..config import PipelineConfig
 from ..console import console
 from ..errors import DsparkError, StageConflictError
-from ..manifest import fingerprint, prepare_stage
+from ..manifest import fingerprint, prepare_stage, read_manifest
 from ..model.attention import dense_mask, flex_block_mask, use_flex
 from ..model.card import refresh_card
 from ..model.config import DrafterConfig
@@ -359,17 +359,19 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
 
 def prepare_train_stage(output_url: str, stage_config: dict[str, Any], inputs: dict[str, str],
                         force: bool) -> Any:
-    """prepare_stage, whose refusal of a run made before a key existed says how to keep that run."""
+    """prepare_stage, whose refusal of a run that left a key out (made by an earlier release, or at
+    the value that reproduces one) names the --set that keeps that run."""
     try:
         return prepare_stage(STAGE, output_url, stage_config, inputs, force=force)
     except StageConflictError as e:
-        added = [f"train.{k}={str(v).lower()}" for k, v in EARLIER_BEHAVIOUR.items()
-                 if f"train.{k}" in e.config_keys]
-        if not added:
+        recorded = ((read_manifest(output_url) or {}).get("config") or {}).get("train") or {}
+        kept = [f"train.{k}={str(v).lower()}" for k, v in EARLIER_BEHAVIOUR.items()
+                if f"train.{k}" in e.config_keys and k not in recorded]
+        if not kept:
             raise
-        raise StageConflictError(str(e), hint=f"this release added {', '.join(added)} (the earlier "
-                                 f"behaviour): --set it to keep the earlier run, or rerun with "
-                                 f"--force to retrain.", config_keys=e.config_keys) from None
+        raise StageConflictError(str(e), hint=f"that run was made at {', '.join(kept)} (the earlier "
+                                 f"behaviour, which its config leaves out): --set it to keep that run, or "
+                                 f"rerun with --force to retrain.", config_keys=e.config_keys) from None
 
 
 def refit_confidence_bias(drafter: DSparkDrafter, slots: list, held_out: dict[str, Any] | None
