@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 from typer.core import TyperGroup
 
 from ..console import console, out
@@ -47,12 +46,11 @@ def export_command(
                       help="Target for the frozen rows (default: the one used in training).")] = None,
 ) -> None:
     """Write the serving folder engines (SGLang, vLLM) load from a checkpoint."""
-    from ..model.export import export_drafter, load_drafter, resolve_drafter_url
-    from ..train.checkpoint import unrefit_note
+    from ..model.export import export_drafter, load_drafter
+    from ..train.checkpoint import say_if_unrefit
 
     drafter = load_drafter(checkpoint, target=target)
-    if note := unrefit_note(resolve_drafter_url(checkpoint)):
-        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+    say_if_unrefit(checkpoint)
     cfg = export_drafter(drafter, out_dir, include_embeddings=include_embeddings, architecture=architecture,
                          dtype=dtype)
     console.print(f"[green]✓[/] export: {out_dir} ({cfg['architectures'][0]}, {dtype})")

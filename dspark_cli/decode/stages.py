@@ -12,7 +12,6 @@ import math
 from typing import Any
 
 import torch
-from rich.markup import escape
 
 from .. import manifest, storage
 from ..config import PipelineConfig
@@ -40,11 +39,10 @@ def _target_input(cfg: PipelineConfig, target: str, output_url: str) -> str:
 
 
 def load_models(cfg: PipelineConfig, target: str, drafter_url: str) -> tuple[Any, Any, Any]:
-    from ..model.export import load_drafter, resolve_drafter_url
-    from ..train.checkpoint import unrefit_note
+    from ..model.export import load_drafter
+    from ..train.checkpoint import say_if_unrefit
 
-    if note := unrefit_note(resolve_drafter_url(drafter_url)):
-        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+    say_if_unrefit(drafter_url)
     loaded = Target.from_settings(cfg.target, path=target)
     # The drafter computes in the target's dtype: on CPUs with native bf16 a bf16 draft round was
     # measured 3x faster than fp32 (issue 16; bench-decode prints both).

@@ -28,7 +28,8 @@ def embedding_rows(embed: torch.Tensor, rank: int) -> torch.Tensor:
     table). When rank > d the extra columns are N(0, ROW_STD²) noise, never zeros: a zero column of
     W1 gives its W2 column no gradient, and W2 starts at zero, so both would stay dead.
     """
-    centred = embed.float() - embed.float().mean(0)
+    table = embed.float()
+    centred = table - table.mean(0)
     _, vectors = torch.linalg.eigh(centred.T @ centred)  # ascending eigenvalues
     top = vectors.flip(-1)[:, :rank]
     rows = centred @ top

@@ -16,11 +16,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from rich.markup import escape
 
 from .. import storage
+from ..console import console
 from ..manifest import read_manifest
 from ..model.drafter import DSparkDrafter
-from ..model.export import save_weights
+from ..model.export import resolve_drafter_url, save_weights
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -47,6 +49,12 @@ def unrefit_note(url: str) -> str | None:
     return (f"{url} has the confidence head from before its run's held-out bias refit "
             f"({bias['shift']:+.3f}), which {storage.join(root, 'export')} carries; pass {root} for the "
             "refit head (its confidences, and a calibration fitted on them, differ).")
+
+
+def say_if_unrefit(drafter: str) -> None:
+    """The one note line export, calibrate and eval print for such a checkpoint (any drafter path)."""
+    if note := unrefit_note(resolve_drafter_url(drafter)):
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
 
 
 def _save_torch(url: str, obj: Any) -> None:
