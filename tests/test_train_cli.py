@@ -65,6 +65,10 @@ def test_train_from_cache_then_reload(cache, tiny_qwen3_target, tmp_path, capsys
     assert f"before its run's held-out bias refit ({shift:+.3f})" in err and f"pass {out} for" in err
     assert run("export", out, str(tmp_path / "from-run")) == 0
     assert "bias refit" not in capsys.readouterr().err
+    # The note is advice: a damaged run record never stops the export of a sound checkpoint.
+    Path(out, "manifest.json").write_text("{not json")
+    assert run("export", f"{out}/checkpoints/step-00000003", str(tmp_path / "damaged-run")) == 0
+    assert "bias refit" not in capsys.readouterr().err
 
 
 def test_missing_mask_token_is_one_line_error(cache, tmp_path, capsys):

@@ -20,6 +20,7 @@ from rich.markup import escape
 
 from .. import storage
 from ..console import console
+from ..errors import DsparkError
 from ..manifest import read_manifest
 from ..model.drafter import DSparkDrafter
 from ..model.export import resolve_drafter_url, save_weights
@@ -43,7 +44,11 @@ def unrefit_note(url: str) -> str | None:
     root, sep, _ = url.rstrip("/").rpartition(f"/{CHECKPOINTS}/")
     if not sep:
         return None
-    bias = ((read_manifest(root) or {}).get("extra") or {}).get("confidence_bias") or {}
+    try:
+        recorded = read_manifest(root) or {}
+    except (DsparkError, ValueError):  # a damaged run record: the note is advice, never a failure
+        return None
+    bias = (recorded.get("extra") or {}).get("confidence_bias") or {}
     if "shift" not in bias:
         return None
     return (f"{url} has the confidence head from before its run's held-out bias refit "
