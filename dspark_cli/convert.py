@@ -91,9 +91,10 @@ def convert_hf_model(src: str, out_dir: str | Path, dtype: str = "float32",
 
 
 def convert_model(src: str, out_dir: str | Path, dtype: str = "float32",
-                  trust_remote_code: bool = False, verify: bool = True) -> Path:
+                  trust_remote_code: bool = False, verify: bool = True, force: bool = False) -> Path:
     """Dispatch on the source: a `.gguf` file, else a Transformers folder or hub id."""
     check_dtype(dtype)
+    check_out_dir(Path(out_dir), force)
     if str(src).endswith(".gguf") or (Path(src).is_file() and _is_gguf(Path(src))):
         return convert_gguf_to_safetensors(src, out_dir, dtype=dtype, verify=verify)
     return convert_hf_model(str(src), out_dir, dtype=dtype, trust_remote_code=trust_remote_code,
@@ -101,9 +102,25 @@ def convert_model(src: str, out_dir: str | Path, dtype: str = "float32",
 
 
 def read_record(out_dir: str | Path) -> dict[str, Any] | None:
-    """The conversion record of a finished output folder, or None."""
+    """The conversion record of a finished output folder, or None (also when unreadable)."""
     path = Path(out_dir) / RECORD
-    return json.loads(path.read_text()) if path.is_file() else None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def check_out_dir(out_dir: Path, force: bool = False) -> None:
+    """Refuse an OUT that conversion would destroy: an existing file, or a folder holding files
+    that no earlier conversion wrote (no `conversion.json`), unless --force. Checked before any work."""
+    if out_dir.is_file() or (out_dir.exists() and not out_dir.is_dir()):
+        raise DsparkError(f"{out_dir}: OUT is an existing file; model convert writes a folder.",
+                          hint="pass a new folder as OUT.")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and read_record(out_dir) is None and not force:
+        raise DsparkError(f"{out_dir}: OUT is a folder holding other files (not an earlier "
+                          "conversion); converting would replace them.",
+                          hint="pass a new or empty folder as OUT, or --force to replace the folder.")
 
 
 def max_logit_difference(a: Any, b: Any, input_ids: Any) -> float:
@@ -136,25 +153,43 @@ def _write(source: Any, tokenizer: Any, out_dir: Path, dtype: str, verify: bool,
     clean.generation_config = source.generation_config
     clean.to(getattr(torch, dtype))
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    clean.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
     if not getattr(tokenizer, "chat_template", None):
         raise DsparkError(f"the tokenizer of {record['source']} has no chat template; regen and "
                           "cache build render conversations with it.",
                           hint="convert from the instruct/chat variant of the model.")
-    if verify:
-        record["max_abs_logit_diff"] = _verify(source, tokenizer, tmp, dtype)
-    record.update(dtype=dtype, architecture=type(clean).__name__, vocab_size=config.vocab_size,
-                  num_hidden_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-                  seconds=round(time.time() - started, 1))
-    (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        clean.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if verify:
+            record["max_abs_logit_diff"] = _verify(source, tokenizer, tmp, dtype)
+        record.update(dtype=dtype, architecture=type(clean).__name__, vocab_size=config.vocab_size,
+                      num_hidden_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+                      seconds=round(time.time() - started, 1))
+        (tmp / RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        _commit_folder(tmp, out_dir)
+    finally:  # a failed or interrupted conversion leaves no temporary folder behind
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _commit_folder(tmp: Path, out_dir: Path) -> None:
+    """Put `tmp` in place of `out_dir`: the old folder is moved aside first and removed only once
+    the new one is in place, so a failure in between keeps the old one."""
+    if not out_dir.exists():
+        os.replace(tmp, out_dir)
+        return
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(out_dir, old)
+    try:
+        os.replace(tmp, out_dir)
+    except BaseException:
+        os.replace(old, out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _verify(source: Any, tokenizer: Any, folder: Path, dtype: str) -> float:

@@ -75,6 +75,39 @@ class TestConvertCommand:
         assert _run(["model", "convert", str(tmp_path / "empty"), str(tmp_path / "o")]) == 2
         assert "cannot read a Transformers config" in capsys.readouterr().err
 
+    def test_out_holding_user_files_or_a_file_is_never_replaced(self, tiny_llama_target, tmp_path, capsys):
+        """Issue 29: OUT with the user's own files was removed and replaced (exit 0)."""
+        mine = tmp_path / "mine"
+        mine.mkdir()
+        (mine / "notes.txt").write_text("keep me")
+        afile = tmp_path / "afile"
+        afile.write_text("keep me too")
+        for out, says in ((mine, "holding other files"), (afile, "existing file")):
+            assert _run(["model", "convert", str(tiny_llama_target), str(out)]) == 2
+            err = capsys.readouterr().err
+            assert says in err and str(out) in err and "Traceback" not in err
+        assert (mine / "notes.txt").read_text() == "keep me" and afile.read_text() == "keep me too"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "mine"]  # no temporary left
+        assert _run(["model", "convert", str(tiny_llama_target), str(mine), "--force"]) == 0
+        assert read_record(mine) and not (mine / "notes.txt").exists()
+
+    def test_a_failed_conversion_leaves_no_temporary_and_keeps_the_old_folder(
+            self, tiny_llama_target, tmp_path, monkeypatch, capsys):
+        import dspark_cli.convert as convert
+
+        out = tmp_path / "m"
+        assert _run(["model", "convert", str(tiny_llama_target), str(out)]) == 0
+        before = (out / "model.safetensors").read_bytes()
+
+        def broken(*_args, **_kwargs):
+            raise convert.DsparkError("the converted model's logits differ (injected)")
+
+        monkeypatch.setattr(convert, "_verify", broken)
+        assert _run(["model", "convert", str(tiny_llama_target), str(out), "--dtype", "bfloat16"]) == 2
+        assert "injected" in capsys.readouterr().err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+        assert (out / "model.safetensors").read_bytes() == before
+
     def test_smollm2_flag_takes_only_out(self, tmp_path, capsys):
         assert _run(["model", "convert", "--smollm2", "a", "b"]) == 2
         assert "--smollm2 takes only OUT" in capsys.readouterr().err

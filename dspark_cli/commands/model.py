@@ -30,10 +30,11 @@ def convert(
     = "float32",
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code",
                                                     help="Run code from the model repository.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Convert again even if OUT is complete.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Convert again even if OUT is complete; "
+                                        "replace an OUT folder holding other files.")] = False,
 ) -> None:
     """Write a plain safetensors model folder (config, weights, tokenizer, chat template)."""
-    from ..convert import convert_model, find_smollm2_gguf, read_record
+    from ..convert import check_out_dir, convert_model, find_smollm2_gguf, read_record
 
     if smollm2:
         if out_dir is not None:
@@ -43,6 +44,7 @@ def convert(
     if src is None or out_dir is None:
         raise DsparkError("model convert needs SRC and OUT (or --smollm2 OUT).",
                           hint="dspark model convert --smollm2 runs/models/smollm2-135m-instruct")
+    check_out_dir(Path(out_dir), force)
     record = read_record(out_dir)
     if record and record.get("source") == str(src) and record.get("dtype") == dtype and not force:
         nothing_to_do("model convert", out_dir, "use --force to convert again",
@@ -50,7 +52,7 @@ def convert(
         out.print(str(Path(out_dir)))
         return
     console.print(f"[cyan]▶[/] converting {src} → {out_dir} ({dtype})")
-    folder = convert_model(src, out_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+    folder = convert_model(src, out_dir, dtype=dtype, trust_remote_code=trust_remote_code, force=force)
     record = read_record(folder) or {}
     console.print(f"[green]✓[/] wrote {folder}: {record.get('architecture')} "
                   f"{record.get('num_hidden_layers')} layers, hidden {record.get('hidden_size')}, "
