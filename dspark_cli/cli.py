@@ -1,7 +1,7 @@
 """The `dspark` program: wires one command group per stage; the commands live in `commands/`.
 
-User mistakes (DsparkError) print one line and a hint and exit 2; set DSPARK_DEBUG=1 for the
-traceback.
+User mistakes (DsparkError), and what the OS or a file format raises (`environment_error`), print
+one line and a hint and exit 2; set DSPARK_DEBUG=1 for the traceback.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import typer
 
 from . import __version__
-from .errors import DsparkError
+from .errors import DsparkError, environment_error
 from .redact import redact
 
 app = typer.Typer(
@@ -55,12 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(code, int) and code:  # a command's typer.Exit(n): click returns n here
             sys.exit(code)
     except DsparkError as e:
-        if os.environ.get("DSPARK_DEBUG"):
-            raise
-        print(f"error: {redact(str(e))}", file=sys.stderr)
-        if e.hint:
-            print(f"hint: {redact(e.hint)}", file=sys.stderr)
-        sys.exit(e.exit_code)
+        _fail(e)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:
@@ -72,6 +67,21 @@ def main(argv: list[str] | None = None) -> None:
     except _click_exceptions() as e:  # usage errors: click's one-line message + usage, exit 2
         e.show()
         sys.exit(e.exit_code)
+    except Exception as e:  # the environment's faults (OSError, damaged files): one line too
+        mapped = environment_error(e)
+        if mapped is None:
+            raise
+        _fail(mapped, e)
+
+
+def _fail(e: DsparkError, cause: BaseException | None = None) -> None:
+    """Print the one `error:` line (+ hint), secrets removed, and exit; DSPARK_DEBUG=1 re-raises."""
+    if os.environ.get("DSPARK_DEBUG"):
+        raise cause or e
+    print(f"error: {redact(str(e))}", file=sys.stderr)
+    if e.hint:
+        print(f"hint: {redact(e.hint)}", file=sys.stderr)
+    sys.exit(e.exit_code)
 
 
 def _click_exceptions() -> tuple[type[Exception], ...]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import storage
-from .errors import ConfigError
+from .errors import ConfigError, reading
 from .paths import resolve_sections
 from .settings.base import Section
 from .settings.cache import CacheSettings
@@ -86,8 +86,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         p = Path(path)
         if not p.exists():
             raise ConfigError(f"{path}: config file not found.")
+        if p.is_dir():
+            raise ConfigError(f"{path}: is a folder; --config takes a pipeline TOML file.",
+                              hint="e.g. --config pipelines/smollm2-135m.toml")
         try:
-            raw = tomllib.loads(p.read_text())
+            with reading(str(path), ()):
+                text = p.read_text(encoding="utf-8-sig")  # a UTF-8 BOM (Windows editors) is fine
+            raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML ({e}).") from e
     for name in raw:
@@ -123,6 +128,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def _blame(message: str, origin: dict[str, str]) -> str:
     """Prefix a section error with the source of the key it names (longest key name first)."""
     for key in sorted(origin, key=len, reverse=True):
-        if f"{key} " in message or f"'{key}'" in message:
+        if f"{key} " in message or f"'{key}'" in message or f"{key}[" in message:
             return f"{origin[key]}: {message}"
     return message

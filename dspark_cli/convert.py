@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -58,8 +59,12 @@ def convert_gguf_to_safetensors(gguf_path: str | Path, out_dir: str | Path, dtyp
 
     torch = _torch()
     folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    source = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        source = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except (ValueError, KeyError, IndexError, OSError, EOFError, struct.error) as e:
+        raise DsparkError(f"{gguf_path}: not a readable GGUF model ({_first_line(e)}).",
+                          hint="re-download it (a truncated copy?), or pass a model folder.") from e
     return _write(source, tokenizer, Path(out_dir), dtype, verify,
                   {"source": str(gguf_path), "format": "gguf"})
 

@@ -20,7 +20,7 @@ from typing import IO, Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import DsparkError
+from .errors import DsparkError, reading
 
 COMMIT_MARKER = "_COMMITTED"
 TMP_PREFIX = ".tmp-"
@@ -88,14 +88,18 @@ def remove(url: str, recursive: bool = True) -> None:
 def read_bytes(url: str) -> bytes:
     fs, path = url_to_fs(url)
     try:
-        with fs.open(path, "rb") as f:
+        with reading(url, ()), fs.open(path, "rb") as f:
             return f.read()
-    except FileNotFoundError as e:
-        raise DsparkError(f"{url}: file not found.") from e
+    except DsparkError as e:
+        if isinstance(e.__cause__, FileNotFoundError):
+            raise DsparkError(f"{url}: file not found.") from e.__cause__
+        raise
 
 
 def read_text(url: str) -> str:
-    return read_bytes(url).decode("utf-8")
+    """UTF-8 text (a leading BOM dropped); a file that is not text is one line naming it."""
+    with reading(url, ()):
+        return read_bytes(url).decode("utf-8-sig")
 
 
 def read_json(url: str) -> Any:
@@ -177,13 +181,13 @@ def sha256_url(url: str, chunk_size: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def check_output(output_url: str, inputs: list[str] = ()) -> None:
+def check_output(output_url: str, inputs: list[str] = (), flag: str = "--output (-o)") -> None:
     """Refuse an output URL that is an existing file, or that is, contains or sits inside an input:
     writing there would destroy the input (and --force would delete it)."""
     fs, path = url_to_fs(output_url)
     if fs.isfile(path):
         raise DsparkError(f"{output_url}: output is an existing file; stages write a folder.",
-                          hint="pass a new folder as --output (-o).")
+                          hint=f"pass a new folder as {flag}.")
     out = canonical(output_url).rstrip("/")
     for url in inputs:
         if "://" not in str(url) and not os.path.exists(str(url)):

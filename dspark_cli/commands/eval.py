@@ -22,10 +22,6 @@ eval_app = typer.Typer(help="Speculative decoding with the real target; the loss
                        invoke_without_command=True, rich_markup_mode=None)
 
 
-def _csv_ints(text: str | None) -> list[int] | None:
-    return [int(x) for x in text.split(",") if x.strip()] if text else None
-
-
 @eval_app.callback(invoke_without_command=True)
 def eval_cmd(
     ctx: typer.Context,
@@ -66,7 +62,7 @@ def eval_cmd(
     cfg = load(config, set_, target={"model": target, "device": device}, eval={
         "datasets": dataset, "drafter": drafter, "limit": limit, "max_new_tokens": max_new_tokens,
         "temperature": temperature, "thinking": thinking, "schedule": schedule, "concurrency": concurrency,
-        "concurrency_sweep": _csv_ints(concurrency_sweep), "threshold": threshold, "sps": sps,
+        "concurrency_sweep": concurrency_sweep, "threshold": threshold, "sps": sps,
         "calibration": calibration, "baseline": baseline, "draft_top_k": draft_top_k})
     output = output or cfg.stage_url("eval")
     drafter_url = cfg.eval.drafter or cfg.stage_url("train")
@@ -102,6 +98,8 @@ def audit_cmd(
 
     if samples < 100:
         raise DsparkError(f"--samples {samples}: need at least 100 for a meaningful chi-square test.")
+    if not 0 < alpha < 1:  # also refuses nan
+        raise DsparkError(f"--alpha {alpha}: must be a number between 0 and 1.")
     results = run_audit(samples=samples, seed=seed, alpha=alpha)
     table = Table(title=f"losslessness audit (chi-square, α={alpha:g})")
     for col in ("world", "policy", "samples", "χ²", "dof", "p-value", "first token", "target", "expected",

@@ -46,9 +46,12 @@ def export_command(
                       help="Target for the frozen rows (default: the one used in training).")] = None,
 ) -> None:
     """Write the serving folder engines (SGLang, vLLM) load from a checkpoint."""
-    from ..model.export import export_drafter, load_drafter
+    from .. import storage
+    from ..model.export import check_export_output, export_drafter, load_drafter
     from ..train.checkpoint import say_if_unrefit
 
+    storage.check_output(out_dir, [checkpoint], flag="OUT")
+    check_export_output(out_dir)  # before loading anything: seconds, not a traceback at the end
     drafter = load_drafter(checkpoint, target=target)
     say_if_unrefit(checkpoint)
     cfg = export_drafter(drafter, out_dir, include_embeddings=include_embeddings, architecture=architecture,

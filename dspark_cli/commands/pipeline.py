@@ -68,14 +68,17 @@ def new(
     """Write a commented config for your target: layers auto, a checked mask token, eval sets."""
     import os
 
+    from .. import storage
     from ..errors import DsparkError
     from ..recipe import new_config
 
+    if os.path.isdir(output):
+        raise DsparkError(f"{output}: is a folder; -o takes the TOML file to write.",
+                          hint=f"e.g. -o {os.path.join(output, 'my-pipeline.toml')}")
     if os.path.exists(output) and not force:
         raise DsparkError(f"{output}: already exists.", hint="choose another -o, or pass --force.")
     text, mask = new_config(target)
-    with open(output, "w") as f:
-        f.write(text)
+    storage.write_text(output, text)  # a missing folder is made; a failed write leaves nothing
     load(output, [])  # what we wrote must load
     console.print(f"mask token: {mask.token_id} ({mask.reason})")
     out.print(f"wrote {output}; run it with `dspark pipeline run {output}`")

@@ -20,7 +20,7 @@ from ..console import console
 def serve(
     model: Annotated[str, typer.Argument(help="Model folder (e.g. from `dspark model convert`) or hub id.")],
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    port: Annotated[int, typer.Option(min=1, max=65535, metavar="N", help="TCP port.")] = 8000,
     served_model_name: Annotated[list[str] | None, typer.Option(
         "--served-model-name", help="Name(s) clients send as `model` (default: MODEL as given and "
         "its folder name). Repeatable; the first is listed by /v1/models.")] = None,
@@ -36,7 +36,8 @@ def serve(
                                                  "requests to join.")] = 5.0,
     default_max_tokens: Annotated[int, typer.Option(help="max_tokens when a request gives none.")]
     = 512,
-    threads: Annotated[int | None, typer.Option(help="torch CPU threads (default: torch's).")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, metavar="N",
+                                                help="torch CPU threads (default: torch's).")] = None,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code",
                                                     help="Run code from the model repository.")] = False,
 ) -> None:
@@ -56,6 +57,8 @@ def serve(
         raise DsparkError(f"--dtype must be auto or one of {', '.join(DTYPE_NAMES)}, got {dtype!r}.")
     if max_batch_size <= 0 or max_batch_tokens <= 0:
         raise DsparkError("--max-batch-size and --max-batch-tokens must be > 0.")
+    if not 0 <= batch_wait_ms < float("inf"):  # also refuses nan
+        raise DsparkError(f"--batch-wait-ms must be a finite number >= 0, got {batch_wait_ms}.")
     if threads:
         torch.set_num_threads(threads)
     # Everything is checked before "serving" is announced: the port first (cheap), then the model.

@@ -4,14 +4,17 @@ or a Hugging Face dataset id. Yields raw rows, or the reason a raw record could 
 
 from __future__ import annotations
 
+import difflib
 import glob as globlib
 import json
+import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from .. import storage
-from ..errors import DsparkError
+from ..errors import DsparkError, reading
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")
 GLOB_CHARS = "*?["
@@ -34,7 +37,15 @@ def is_local_source(source: str) -> bool:
     first = source.split(",")[0].strip()
     if "://" in first or any(c in first for c in GLOB_CHARS) or first.endswith(LOCAL_SUFFIXES):
         return True
-    return storage.exists(first)
+    return storage.exists(first) or _looks_like_a_path(first)
+
+
+def _looks_like_a_path(text: str) -> bool:
+    """A spelling no hub id has: absolute or ./ ~ relative, two or more '/', or a bare file name
+    with a letter extension (`good40.jsnol`): such a typo is a missing file, not a hub lookup."""
+    if text.startswith(("/", "./", "../", "~")) or text.count("/") >= 2:
+        return True
+    return "/" not in text and re.search(r"\.[A-Za-z][A-Za-z0-9]*$", text) is not None
 
 
 def expand(source: str) -> list[str]:
@@ -58,8 +69,19 @@ def expand(source: str) -> list[str]:
         elif fs.exists(path):
             urls.append(item)
         else:
-            raise DsparkError(f"data.source: file '{item}' not found.")
+            raise DsparkError(f"data.source: file '{item}' not found.", hint=_close_names(item))
     return urls
+
+
+def _close_names(item: str) -> str | None:
+    """'did you mean …' from the names beside a missing local file, when one is close."""
+    parent, name = os.path.split(item)
+    try:
+        names = os.listdir(parent or ".")
+    except OSError:
+        return None
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.75)
+    return f"did you mean {os.path.join(parent, close[0])}?" if close else None
 
 
 def _snippet(text: str | bytes, limit: int = 500) -> str:
@@ -69,6 +91,7 @@ def _snippet(text: str | bytes, limit: int = 500) -> str:
 
 
 def _lines(url: str, data: bytes) -> Iterator[RawRow]:
+    data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 BOM (Windows editors) is not row 1's text
     for i, line in enumerate(data.splitlines()):
         if not line.strip():
             continue
@@ -88,7 +111,7 @@ def _lines(url: str, data: bytes) -> Iterator[RawRow]:
 def _json_records(url: str, data: bytes) -> Iterator[RawRow]:
     """A .json file: one array of rows (or an object holding one), else treated as JSON Lines."""
     try:
-        obj = json.loads(data.decode("utf-8"))
+        obj = json.loads(data.decode("utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         yield from _lines(url, data)
         return
@@ -122,7 +145,8 @@ def read_local(url: str) -> Iterator[RawRow]:
     if url.endswith(".gz"):
         import gzip
 
-        data = gzip.decompress(data)
+        with reading(url, ()):
+            data = gzip.decompress(data)
     name = url.removesuffix(".gz")
     if name.endswith(".parquet"):
         yield from _parquet_records(url, data)

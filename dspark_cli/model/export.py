@@ -22,7 +22,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from .. import storage
-from ..errors import DsparkError
+from ..errors import DsparkError, reading
 from ..schemas import validate
 from ..target.dtypes import torch_dtype
 from .config import DrafterConfig
@@ -125,6 +125,7 @@ def noop_markov_tensors(config: DrafterConfig) -> dict[str, torch.Tensor]:
 def export_drafter(drafter: DSparkDrafter, out_url: str, include_embeddings: bool = False,
                    architecture: str | None = None, dtype: str = "bfloat16") -> dict[str, Any]:
     """Write config.json + model.safetensors to out_url (weights first, config last)."""
+    check_export_output(out_url)
     torch_dt = torch_dtype(dtype, "export dtype")
     arch = architecture_for(drafter.config, architecture)
     config = export_config(drafter.config, arch, dtype)
@@ -139,6 +140,22 @@ def export_drafter(drafter: DSparkDrafter, out_url: str, include_embeddings: boo
     storage.write_bytes(storage.join(out_url, WEIGHTS), st_save(tensors, metadata={"format": "pt"}))
     storage.write_json(storage.join(out_url, "config.json"), config)
     return config
+
+
+def check_export_output(out_url: str) -> None:
+    """Refuse an output that is a file, or a folder whose config.json/weights are not a drafter
+    export (a target model folder, say): writing there would overwrite files export did not make."""
+    storage.check_output(out_url)
+    config_url = storage.join(out_url, "config.json")
+    if not storage.exists(config_url) and not storage.exists(storage.join(out_url, WEIGHTS)):
+        return
+    try:
+        archs = storage.read_json(config_url).get("architectures") or []
+    except (DsparkError, AttributeError):
+        archs = []
+    if not {DSPARK_ARCH, DFLASH_ARCH} & set(archs):
+        raise DsparkError(f"{out_url}: holds a config.json or {WEIGHTS} that is not a drafter export; "
+                          "export would overwrite them.", hint="pass a new folder as OUT.")
 
 
 def save_weights(drafter: DSparkDrafter, dir_url: str) -> None:
@@ -186,7 +203,8 @@ def load_drafter(path: str, target: str | None = None, device: str | torch.devic
     """
     url = resolve_drafter_url(path)
     config = read_config(url)
-    tensors = st_load(storage.read_bytes(storage.join(url, WEIGHTS)))
+    with reading(storage.join(url, WEIGHTS)):
+        tensors = st_load(storage.read_bytes(storage.join(url, WEIGHTS)))
     tensors = upgrade_legacy_markov(tensors, config.markov_head_type, f"{url}/{WEIGHTS}")
     if needs_noop_markov(config):
         tensors = {k: v for k, v in tensors.items() if k not in NOOP_MARKOV_KEYS}

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..errors import DsparkError
+from ..errors import DsparkError, reading
 from ..target.files import is_local, resolve_folder
 
 EMBED_KEYS = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight",
@@ -29,7 +29,7 @@ def _weight_map(folder: Path) -> dict[str, str]:
     if not single.exists():
         raise DsparkError(f"{folder}: no model.safetensors or model.safetensors.index.json; the drafter "
                           "loads the target's embedding and lm_head from safetensors only.")
-    with safe_open(str(single), framework="pt") as f:
+    with reading(str(single)), safe_open(str(single), framework="pt") as f:
         return {k: "model.safetensors" for k in f.keys()}
 
 
@@ -48,7 +48,7 @@ def load_embeddings(target: str, tie_word_embeddings: bool) -> tuple[torch.Tenso
         folder = resolve_folder(target, ("*.json", *sorted(needed)))
 
     def read(key: str) -> torch.Tensor:
-        with safe_open(str(folder / wmap[key]), framework="pt") as f:
+        with reading(str(folder / wmap[key])), safe_open(str(folder / wmap[key]), framework="pt") as f:
             return f.get_tensor(key)
 
     embed = read(embed_key)

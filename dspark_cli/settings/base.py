@@ -7,6 +7,7 @@ wrong type with one sentence naming `section.key`; `validate` adds range checks.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, ClassVar, TypeVar, get_args, get_origin
@@ -108,13 +109,18 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{key} must be a number, got {value!r}.")
+        number: float | None = None
         if isinstance(value, int | float):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None and not math.isfinite(number):  # nan/inf pass every range check
+            raise ConfigError(f"{key} must be a finite number, got {value!r}.")
+        if number is not None:
+            return number
         raise ConfigError(f"{key} must be a number, got {value!r}.")
     if tp is str:
         if isinstance(value, str):

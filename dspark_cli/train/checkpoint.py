@@ -20,7 +20,7 @@ from rich.markup import escape
 
 from .. import storage
 from ..console import console
-from ..errors import DsparkError
+from ..errors import DsparkError, reading
 from ..manifest import read_manifest
 from ..model.drafter import DSparkDrafter
 from ..model.export import resolve_drafter_url, save_weights
@@ -140,7 +140,8 @@ def load_checkpoint(ckpt_url: str, drafter: DSparkDrafter, optimizer: torch.opti
     """Restore weights, optimizer, scheduler and this rank's RNG; return the trainer state."""
     from safetensors.torch import load as st_load
 
-    weights = st_load(storage.read_bytes(storage.join(ckpt_url, "model.safetensors")))
+    with reading(storage.join(ckpt_url, "model.safetensors")):
+        weights = st_load(storage.read_bytes(storage.join(ckpt_url, "model.safetensors")))
     drafter.load_state_dict(weights, strict=False)
     opt = _load_torch(storage.join(ckpt_url, "optimizer.pt"))
     optimizer.load_state_dict(opt["optimizer"])
