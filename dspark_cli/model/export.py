@@ -168,7 +168,9 @@ def save_weights(drafter: DSparkDrafter, dir_url: str) -> None:
 def read_config(url: str) -> DrafterConfig:
     """DrafterConfig of a checkpoint dir or an export folder."""
     if storage.exists(storage.join(url, CHECKPOINT_CONFIG)):
-        return DrafterConfig.from_json(storage.read_text(storage.join(url, CHECKPOINT_CONFIG)))
+        config_url = storage.join(url, CHECKPOINT_CONFIG)
+        with reading(config_url, (ValueError, KeyError, TypeError)):  # TypeError: keys missing
+            return DrafterConfig.from_json(storage.read_text(config_url))
     if storage.exists(storage.join(url, "config.json")):
         cfg = storage.read_json(storage.join(url, "config.json"))
         private = cfg.get(PRIVATE_KEY, cfg.get(LEGACY_PRIVATE_KEY))

@@ -1,0 +1,141 @@
+"""What the environment hands back (a folder for a file, non-UTF-8 text, a damaged gzip, safetensors or
+GGUF file, a path that cannot be created) is one line naming the path, exit 2, never a traceback
+(issue 29). The most common faults run through the installed `dspark` script; the rest in-process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from fixtures.cli import assert_user_error, run_dspark
+from fixtures.drafter import drafter_config
+
+from dspark_cli.cli import main
+
+
+def _row(i: int) -> str:
+    return json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i}"}]}) + "\n"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, tiny_qwen3_target) -> Path:
+    """One damaged or misplaced input of each kind a command reads."""
+    root = tmp_path_factory.mktemp("faults")
+    (root / "a_folder").mkdir()
+    (root / "latin1.toml").write_bytes(b"[train]\nlr = 3e-4  # caf\xe9\n")
+    (root / "notgzip.jsonl.gz").write_bytes(b"plain text, not gzip\n")
+    (root / "good.jsonl").write_text("".join(_row(i) for i in range(4)))
+    (root / "a_file").write_text("the user's own file\n")
+    (root / "fake.gguf").write_bytes(b"GGUF" + b"\0" * 60)
+    for name, weights in (("truncated", b"\x40\x00\x00\x00\x00\x00\x00\x00{\"a\":"), ("empty", b"")):
+        ckpt = root / name
+        ckpt.mkdir()
+        config = drafter_config(tiny_qwen3_target, num_draft_layers=1)
+        (ckpt / "drafter_config.json").write_text(config.to_json())
+        (ckpt / "model.safetensors").write_bytes(weights)
+    (root / "no_keys").mkdir()
+    (root / "no_keys" / "drafter_config.json").write_text("{}")
+    binary = root / "binary_manifest"
+    binary.mkdir()
+    (binary / "manifest.json").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    return root
+
+
+#: (argv, {r} standing for the fixture folder, what the one line must name)
+ENTRY_POINT_CASES = [
+    (["train", "--config", "{r}/a_folder"], ["a_folder", "is a folder"]),
+    (["train", "--config", "{r}/latin1.toml"], ["latin1.toml", "not UTF-8"]),
+    (["data", "prepare", "--source", "{r}/notgzip.jsonl.gz", "-o", "{r}/o1"], ["notgzip.jsonl.gz"]),
+    (["data", "prepare", "--source", "{r}/good.jsonl", "-o", "{r}/a_file/sub"], ["a_file", "not a directory"]),
+    (["data", "prepare", "--source", "{r}/good40.jsnol", "-o", "{r}/o2"], ["good40.jsnol", "not found"]),
+    (["export", "{r}/good.jsonl", "{r}/a_file"], ["a_file", "existing file"]),
+    (["export", "{r}/truncated", "{r}/e1"], ["truncated/model.safetensors"]),
+    (["data", "regen", "-i", "{r}/binary_manifest", "-o", "{r}/r", "--endpoint", "http://127.0.0.1:9/v1",
+      "--model", "m"],
+     ["binary_manifest/manifest.json", "not UTF-8"]),
+    (["model", "convert", "{r}/fake.gguf", "{r}/m"], ["fake.gguf", "GGUF"]),
+    (["serve", "{r}/a_folder", "--port", "99999"], ["--port"]),
+    (["serve", "{r}/a_folder", "--threads", "-1"], ["--threads"]),
+    (["profile", "--batch-tokens", "1,x"], ["--batch-tokens"]),
+    (["train", "--set", "train.lr=nan"], ["train.lr", "finite"]),
+]
+
+
+@pytest.mark.parametrize("argv,culprits", ENTRY_POINT_CASES)
+def test_the_installed_script_never_shows_a_traceback(files, argv, culprits):
+    proc = run_dspark(*(a.replace("{r}", str(files)) for a in argv), cwd=files)
+    assert_user_error(proc, *culprits)
+    assert (files / "a_file").read_text() == "the user's own file\n"
+
+
+def _main(argv: list[str], capsys) -> tuple[int, str]:
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return code, err
+
+
+def _one_line(err: str) -> str:
+    lines = [ln for ln in err.splitlines() if ln.lower().startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv,culprits", [
+    (["eval", "--concurrency-sweep", "2,x"], ["--concurrency-sweep", "must be an integer", "'x'"]),
+    (["eval", "audit", "--alpha", "nan"], ["--alpha"]),
+    (["serve", "{r}/a_folder", "--batch-wait-ms", "inf"], ["--batch-wait-ms", "finite"]),
+    (["data", "regen", "-i", "{r}/binary_manifest", "-o", "{r}/r", "--model", "m", "--temperature", "nan"],
+     ["--temperature", "regen.temperature must be a finite number"]),
+    (["train", "--set", "train.grad_clip=-inf"], ["train.grad_clip", "finite"]),
+    (["export", "{r}/empty", "{r}/e2"], ["empty/model.safetensors", "damaged"]),
+    (["export", "{r}/good.jsonl", "{r}/good.jsonl"], ["good.jsonl"]),
+    (["export", "{r}/no_keys", "{r}/e3"], ["no_keys/drafter_config.json", "damaged"]),
+    (["pipeline", "new", "--target", "{r}/a_folder", "-o", "{r}/a_folder"], ["a_folder", "is a folder"]),
+    (["data", "prepare", "--source", "{r}/good.jsonl", "-o", "/proc/no/such/place"], ["/proc/no"]),
+    (["data", "prepare", "--source", "goood.jsonl", "-o", "{r}/o3"], ["goood.jsonl", "not found"]),
+])
+def test_in_process_faults_are_one_line(files, capsys, monkeypatch, argv, culprits):
+    monkeypatch.chdir(files)
+    code, err = _main([a.replace("{r}", str(files)) for a in argv], capsys)
+    assert code == 2, err
+    line = _one_line(err) if "Usage" not in err else err
+    for culprit in culprits:
+        assert culprit in line, (culprit, line)
+
+
+def test_a_missing_file_beside_its_right_spelling_gets_a_did_you_mean(files, capsys, monkeypatch):
+    monkeypatch.chdir(files)
+    code, err = _main(["data", "prepare", "--source", "good.jsnol", "-o", str(files / "o4")], capsys)
+    assert code == 2 and "not found" in _one_line(err) and "did you mean good.jsonl?" in err
+    assert not (files / "o4").exists()
+
+
+def test_debug_shows_the_traceback(files, monkeypatch):
+    monkeypatch.setenv("DSPARK_DEBUG", "1")
+    with pytest.raises(NotADirectoryError):
+        main(["data", "prepare", "--source", str(files / "good.jsonl"), "-o", str(files / "a_file" / "x")])
+
+
+def test_a_bom_keeps_the_first_row_and_pipeline_new_makes_its_folder(tmp_path, capsys, tiny_llama_target):
+    src = tmp_path / "bom.jsonl"
+    src.write_bytes(b"\xef\xbb\xbf" + "".join(_row(i) for i in range(5)).encode())
+    code, err = _main(["data", "prepare", "--source", str(src), "-o", str(tmp_path / "p"),
+                       "--val-fraction", "0"], capsys)
+    assert code == 0, err
+    counts = json.loads((tmp_path / "p" / "manifest.json").read_text())["counts"]
+    assert counts["rows"] == 5 and counts.get("quarantined", 0) == 0, counts
+    toml = tmp_path / "new" / "folder" / "my.toml"
+    code, err = _main(["pipeline", "new", "--target", str(tiny_llama_target), "-o", str(toml)], capsys)
+    assert code == 0 and toml.is_file(), err
+    bom_toml = tmp_path / "bom.toml"
+    bom_toml.write_bytes(b"\xef\xbb\xbf" + toml.read_bytes())
+    from dspark_cli.config import load_config
+
+    assert load_config(str(bom_toml), []).target.model == load_config(str(toml), []).target.model
