@@ -48,7 +48,7 @@ ENTRY_POINT_CASES = [
     (["train", "--config", "{r}/a_folder"], ["a_folder", "is a folder"]),
     (["train", "--config", "{r}/latin1.toml"], ["latin1.toml", "not UTF-8"]),
     (["data", "prepare", "--source", "{r}/notgzip.jsonl.gz", "-o", "{r}/o1"], ["notgzip.jsonl.gz"]),
-    (["data", "prepare", "--source", "{r}/good.jsonl", "-o", "{r}/a_file/sub"], ["a_file", "not a directory"]),
+    (["data", "prepare", "--source", "{r}/good.jsonl", "-o", "{r}/a_file/sub"], ["a_file", "not a dir"]),
     (["data", "prepare", "--source", "{r}/good40.jsnol", "-o", "{r}/o2"], ["good40.jsnol", "not found"]),
     (["export", "{r}/good.jsonl", "{r}/a_file"], ["a_file", "existing file"]),
     (["export", "{r}/truncated", "{r}/e1"], ["truncated/model.safetensors"]),
