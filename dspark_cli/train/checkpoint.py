@@ -11,6 +11,7 @@ ignores and rotation removes. `latest` is a hint; the newest committed directory
 from __future__ import annotations
 
 import io
+import pickle
 import random
 from typing import Any
 
@@ -69,7 +70,9 @@ def _save_torch(url: str, obj: Any) -> None:
 
 
 def _load_torch(url: str) -> Any:
-    return torch.load(io.BytesIO(storage.read_bytes(url)), map_location="cpu", weights_only=False)
+    data = storage.read_bytes(url)
+    with reading(url, (ValueError, KeyError, RuntimeError, EOFError, pickle.UnpicklingError)):
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
 def rng_state() -> dict[str, Any]:
@@ -137,16 +140,47 @@ def rotate(url: str, keep_last: int) -> None:
 
 def load_checkpoint(ckpt_url: str, drafter: DSparkDrafter, optimizer: torch.optim.Optimizer,
                     scheduler: Any, rank: int) -> dict[str, Any]:
-    """Restore weights, optimizer, scheduler and this rank's RNG; return the trainer state."""
+    """Restore weights, optimizer, scheduler and this rank's RNG; return the trainer state.
+
+    Every file is read (and so checked) before anything is applied: a damaged file raises a
+    DsparkError naming it and leaves the drafter and optimizer untouched."""
     from safetensors.torch import load as st_load
 
-    with reading(storage.join(ckpt_url, "model.safetensors")):
-        weights = st_load(storage.read_bytes(storage.join(ckpt_url, "model.safetensors")))
-    drafter.load_state_dict(weights, strict=False)
+    weights_url = storage.join(ckpt_url, "model.safetensors")
+    with reading(weights_url):
+        weights = st_load(storage.read_bytes(weights_url))
     opt = _load_torch(storage.join(ckpt_url, "optimizer.pt"))
-    optimizer.load_state_dict(opt["optimizer"])
-    scheduler.load_state_dict(opt["scheduler"])
     rng_url = storage.join(ckpt_url, f"rng-rank{rank}.pt")
-    if storage.exists(rng_url):
-        set_rng_state(_load_torch(rng_url))
-    return storage.read_json(storage.join(ckpt_url, "trainer_state.json"))
+    rng = _load_torch(rng_url) if storage.exists(rng_url) else None
+    state_url = storage.join(ckpt_url, "trainer_state.json")
+    state = storage.read_json(state_url)
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise DsparkError(f"{state_url}: damaged (no integer 'step').")
+    with reading(storage.join(ckpt_url, "optimizer.pt"), (ValueError, KeyError, RuntimeError)):
+        drafter.load_state_dict(weights, strict=False)
+        optimizer.load_state_dict(opt["optimizer"])
+        scheduler.load_state_dict(opt["scheduler"])
+    if rng is not None:
+        set_rng_state(rng)
+    return state
+
+
+def resume_checkpoint(url: str, drafter: DSparkDrafter, optimizer: torch.optim.Optimizer,
+                      scheduler: Any, rank: int) -> tuple[str, dict[str, Any]] | None:
+    """Load the newest committed checkpoint that reads back whole; (its URL, trainer state), or None.
+
+    A damaged newer one (a disk fault, a truncated copy) is skipped with a line naming it and why,
+    rather than blocking every rerun while an older intact checkpoint of the same run exists."""
+    skipped: list[str] = []
+    for step in reversed(committed_steps(url)):
+        ckpt = storage.join(checkpoints_url(url), step_name(step))
+        try:
+            return ckpt, load_checkpoint(ckpt, drafter, optimizer, scheduler, rank)
+        except DsparkError as e:
+            skipped.append(step_name(step))
+            console.print(f"[yellow]![/] train: skipping checkpoint {escape(ckpt)}: {escape(str(e))}",
+                          highlight=False, soft_wrap=True)
+    if skipped:
+        raise DsparkError(f"{checkpoints_url(url)}: every checkpoint is damaged ({', '.join(skipped)}).",
+                          hint="rerun with --force to train from the start.")
+    return None

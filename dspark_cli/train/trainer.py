@@ -234,9 +234,9 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, tc.warmup_ratio,
                                                                        tc.min_lr_ratio))
     start_step = 0
-    latest = ckpt.latest_checkpoint(output_url)
-    if latest is not None:
-        state = ckpt.load_checkpoint(latest, drafter, optimizer, scheduler, world.rank)
+    resumed = ckpt.resume_checkpoint(output_url, drafter, optimizer, scheduler, world.rank)
+    if resumed is not None:
+        latest, state = resumed
         start_step = int(state["step"])
         if world.main:
             console.print(f"[yellow]↻[/] train: resuming from {latest} (step {start_step}/{total_steps}).")
