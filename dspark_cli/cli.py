@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     _register()
     try:
         code = app(args=argv, standalone_mode=False)
+        if code == 130:  # typer turns Ctrl-C into a returned 130 (no dspark command exits 130 itself)
+            _interrupted()
         if isinstance(code, int) and code:  # a command's typer.Exit(n): click returns n here
             sys.exit(code)
     except DsparkError as e:
@@ -62,8 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         print("aborted.", file=sys.stderr)
         sys.exit(130)
     except KeyboardInterrupt:
-        print("interrupted; rerun the same command to resume.", file=sys.stderr)
-        sys.exit(130)
+        _interrupted()
     except _click_exceptions() as e:  # usage errors: click's one-line message + usage, exit 2
         e.show()
         sys.exit(e.exit_code)
@@ -72,6 +73,12 @@ def main(argv: list[str] | None = None) -> None:
         if mapped is None:
             raise
         _fail(mapped, e)
+
+
+def _interrupted() -> None:
+    """Ctrl-C (SIGINT), for every stage: what was committed stays, so the same command resumes."""
+    print("\ninterrupted; rerun the same command to resume.", file=sys.stderr)
+    sys.exit(130)
 
 
 def _fail(e: DsparkError, cause: BaseException | None = None) -> None:
