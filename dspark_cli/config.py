@@ -58,6 +58,10 @@ class PipelineConfig:
         return storage.join(self.pipeline.work_dir, stage_dir)
 
 
+#: Config keys whose repeatable flag is spelled in the singular (`--endpoint URL --endpoint URL`).
+_FLAG_OF = {"endpoints": "--endpoint", "datasets": "--dataset"}
+
+
 def parse_override(text: str) -> tuple[str, str, Any]:
     """'train.lr=3e-4' → ('train', 'lr', value); the value is parsed as TOML when it can be."""
     if "=" not in text:
@@ -110,7 +114,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for section, values in (extra or {}).items():
         flags = {k: v for k, v in values.items() if v is not None}
         given.setdefault(section, {}).update(flags)
-        origin.update({f"{section}.{k}": f"--{k.replace('_', '-')}" for k in flags})
+        origin.update({f"{section}.{k}": _FLAG_OF.get(k, f"--{k.replace('_', '-')}") for k in flags})
     for text in overrides or []:
         section, key, value = parse_override(text)
         given.setdefault(section, {})[key] = value

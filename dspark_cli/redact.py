@@ -17,6 +17,8 @@ _PATTERNS = [
     re.compile(r"\b(sk|pk|rk|hf|ghp|gho|xox[abp])[-_][A-Za-z0-9_-]{8,}"),
     re.compile(r"(?i)\b(api[_-]?key|access[_-]?token|authorization)(['\"]?\s*[:=]\s*['\"]?)(?!bearer\b|\[REDACTED)[^\s'\",;&]{6,}"),
 ]
+#: user:password@ inside a URL (an endpoint with basic auth): the host stays, the credentials go.
+_URL_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@'\"]+@")
 _secrets: set[str] = set()
 
 
@@ -30,9 +32,15 @@ def redact(text: str) -> str:
     """`text` with registered secrets and anything shaped like a token replaced by [REDACTED]."""
     for secret in sorted(_secrets, key=len, reverse=True):
         text = text.replace(secret, REDACTED)
+    text = url_without_credentials(text)
     text = _PATTERNS[0].sub(lambda m: f"{m.group(1)} {REDACTED}", text)
     text = _PATTERNS[1].sub(REDACTED, text)
     return _PATTERNS[2].sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
+
+
+def url_without_credentials(text: str) -> str:
+    """`text` with every URL's `user:password@` replaced by `[REDACTED]@` (what manifests store)."""
+    return _URL_CREDENTIALS.sub(lambda m: f"{m.group(1)}{REDACTED}@", text)
 
 
 _TITLE = re.compile(r"(?is)<title[^>]*>(.*?)</title>")

@@ -60,6 +60,8 @@ ENTRY_POINT_CASES = [
     (["serve", "{r}/a_folder", "--threads", "-1"], ["--threads"]),
     (["profile", "--batch-tokens", "1,x"], ["--batch-tokens"]),
     (["train", "--set", "train.lr=nan"], ["train.lr", "finite"]),
+    (["data", "regen", "-i", "{r}/binary_manifest", "-o", "{r}/r", "--model", "m", "--endpoint",
+      "http://u:pw@127.0.0.1:9/v1"], ["http://[REDACTED]@127.0.0.1:9/v1", "credentials"]),
 ]
 
 
@@ -139,3 +141,31 @@ def test_a_bom_keeps_the_first_row_and_pipeline_new_makes_its_folder(tmp_path, c
     from dspark_cli.config import load_config
 
     assert load_config(str(bom_toml), []).target.model == load_config(str(toml), []).target.model
+
+
+def test_endpoint_urls_name_what_is_missing_and_never_show_credentials(files, capsys):
+    from dspark_cli.redact import redact
+
+    common = ["data", "regen", "-i", str(files / "binary_manifest"), "-o", str(files / "r"), "--model", "m"]
+    for endpoint, says in (("localhost:18001/v1", "no http:// or https:// scheme"),
+                           ("http://127.0.0.1:x/v1", "is not a URL"),
+                           ("http://alice:hunter2pw@127.0.0.1:9/v1", "holds credentials")):
+        code, err = _main([*common, "--endpoint", endpoint], capsys)
+        line = _one_line(err)
+        assert code == 2 and says in line and line.startswith("error: --endpoint: regen.endpoints[0]"), err
+        assert "hunter2pw" not in err and "alice" not in err
+    assert redact("GET http://bob:s3cret@gpu1:8000/v1 failed") == "GET http://[REDACTED]@gpu1:8000/v1 failed"
+
+
+def test_a_mask_token_that_is_eos_or_pad_is_refused(tiny_qwen3_target):
+    from transformers import AutoConfig
+
+    from dspark_cli.errors import ConfigError
+    from dspark_cli.model.config import DrafterConfig
+
+    config = AutoConfig.from_pretrained(tiny_qwen3_target)
+    for busy, name in ((config.eos_token_id, "eos"), (config.pad_token_id, "pad")):
+        with pytest.raises(ConfigError, match=f"mask_token_id {busy} is the target's {name}"):
+            DrafterConfig.from_target(config, layers=[1, 2], mask_token_id=busy)
+    spare = DrafterConfig.from_target(config, layers=[1, 2], mask_token_id=config.vocab_size - 1)
+    assert spare.mask_token_id == config.vocab_size - 1

@@ -374,7 +374,7 @@ def regen(cfg: PipelineConfig, input_url: str | None = None, output_url: str | N
     totals["requests_this_run"] = counters.requests
     totals["retries_this_run"] = counters.retries
     req_s, tok_s = counters.rates()
-    extra = {"endpoints": s.endpoints, "model": s.model, "sampling": sampling_params(s),
+    extra = {"endpoints": s.to_dict()["endpoints"], "model": s.model, "sampling": sampling_params(s),
              "api_key_env": s.api_key_env, "concurrency": s.concurrency, "batch_rows": s.batch_rows,
              "max_retries": s.max_retries, "row_schema": "response_row/v1"}
     committed = run.finish(totals, extra=extra, timings={"regen_seconds": round(counters.elapsed, 3),

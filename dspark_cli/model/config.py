@@ -100,6 +100,7 @@ class DrafterConfig:
             raise ConfigError("target.mask_token_id is not set; the drafter needs a spare embedding row "
                               "as its mask token (e.g. 151669 for Qwen3), never pad/eos.")
         tc = getattr(target_config, "text_config", None) or target_config
+        _refuse_busy_mask_token(int(mask_token_id), (target_config, tc))
         heads = tc.num_attention_heads
         rope = getattr(tc, "rope_parameters", None) or {
             "rope_type": "default", "rope_theta": float(getattr(tc, "rope_theta", 10000.0))}
@@ -147,3 +148,17 @@ class DrafterConfig:
                            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
                            max_position_embeddings=self.max_position_embeddings,
                            rope_parameters=dict(self.rope_parameters))
+
+
+def _refuse_busy_mask_token(mask_token_id: int, configs: tuple[Any, ...]) -> None:
+    """The mask token must be a row chat never produces: the target's bos, eos or pad token is
+    written in every conversation, so a mask equal to one would be indistinguishable from it."""
+    for config in configs:
+        for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+            ids = getattr(config, key, None)
+            ids = ids if isinstance(ids, list | tuple) else [ids]
+            if mask_token_id in ids:
+                name = key.removesuffix("_id")
+                raise ConfigError(f"target.mask_token_id {mask_token_id} is the target's {name}; "
+                                  "the mask token must be a row chat never writes.",
+                                  hint="`dspark pipeline new --target …` prints one chosen by rule.")

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
 
+from ..redact import url_without_credentials
 from .base import Section
 
 
@@ -47,7 +50,15 @@ class RegenSettings(Section):
     #: pipeline run starts `dspark serve` on [target].model for this stage; for laptops and demos.
     serve_target: bool = False
 
+    def to_dict(self) -> dict[str, Any]:
+        """As stored in manifests and hashed: endpoints without any user:password@ in them."""
+        values = super().to_dict()
+        values["endpoints"] = [url_without_credentials(url) for url in self.endpoints]
+        return values
+
     def validate(self) -> None:
+        for i, url in enumerate(self.endpoints):
+            self._check_endpoint(i, url)
         if self.concurrency <= 0:
             self.fail("concurrency", f"must be > 0, got {self.concurrency}.")
         if self.max_tokens <= 0:
@@ -72,3 +83,21 @@ class RegenSettings(Section):
             self.fail("top_k", f"must be -1 (off) or >= 0, got {self.top_k}.")
         if self.min_p is not None and not 0 <= self.min_p <= 1:
             self.fail("min_p", f"must be in [0, 1], got {self.min_p}.")
+
+    def _check_endpoint(self, i: int, url: str) -> None:
+        """An endpoint is http(s)://host[:port]/…; name what is missing (the HTTP client only says
+        'UnsupportedProtocol: /18001/models' for `localhost:18001/v1`)."""
+        shown = url_without_credentials(url)
+        key = f"endpoints[{i}]"
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises ValueError on a port that is not a number
+        except ValueError as e:
+            self.fail(key, f"{shown!r} is not a URL ({e}).")
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            self.fail(key, f"{shown!r} has no http:// or https:// scheme; write e.g. "
+                           f"'http://{shown.split('://')[-1]}'.")
+        if parts.username is not None or parts.password is not None:
+            self.fail(key, f"{shown!r} holds credentials (user:password@), which the OpenAI client "
+                           f"refuses beside its API key header; put the key in ${self.api_key_env} "
+                           "(regen.api_key_env) and drop it from the URL.")
