@@ -183,7 +183,7 @@ def test_client_errors_recorded_and_retry_errors_reruns_only_them(tmp_path, fixt
     fixture_server.set_faults(error_500=1.0)  # every request fails: retries run out
     with pytest.raises(StageFailed, match=r"no usable response from 13 prompts \(13 failed.*most common "
                                           r"\(12×\): server_error 500: injected server error"):
-        regen(_cfg(fixture_server, "regen.max_retries=1"), prompts, out)
+        regen(_cfg(fixture_server, "regen.max_retries=1", "regen.fail_fast_after=0"), prompts, out)
     assert manifest.read_manifest(out) is None  # a run that answered nothing is not done
     errors = {e["id"]: e for e in io.read_file_rows(storage.join(out, "errors.parquet"))}
     assert errors["bad1"]["status_code"] == 400 and errors["bad1"]["attempts"] == 1
@@ -398,3 +398,21 @@ def test_partial_batches_are_committed_every_flush_seconds(tmp_path, fixture_ser
     counts = regen(cfg, prompts, out).counts  # ~0.8 s of requests, far fewer rows than a batch
     assert counts["responses"] == 12 and counts["shards"] >= 2
     _check_complete(prompts, out)
+
+
+def test_a_run_whose_first_requests_all_fail_alike_stops_early(tmp_path, fixture_server):
+    """Issue 29: a dead endpoint took 101 s for 4 prompts (8 retries each at full backoff)."""
+    prompts = _prompts(tmp_path, 30)
+    out = tmp_path / "responses"
+    fixture_server.set_faults(error_500=1.0)
+    start = time.monotonic()
+    with pytest.raises(StageFailed, match=r"stopped early: the first 8 requests all failed the same way "
+                                          r"\(server_error 500: injected server error\)"):
+        regen(load_config(None, [f"regen.endpoints=['{fixture_server.url}']", f"regen.model={MODEL}",
+                                 "regen.concurrency=2", "regen.retry_base_delay=0.05"]), prompts, str(out))
+    assert time.monotonic() - start < 10
+    assert fixture_server.stats()["requests"] <= 10  # not 30 prompts × 9 attempts
+    assert not out.exists() or not list(out.iterdir())  # nothing answered: no trace, no --force needed
+    fixture_server.reset()
+    counts = regen(_cfg(fixture_server, "regen.max_tokens=64"), prompts, str(out)).counts
+    assert counts["responses"] == 30

@@ -161,3 +161,31 @@ class RetryPolicy:
 
     def should_retry(self, attempt: int, failure: Failure) -> bool:
         return failure.retryable and attempt < self.max_retries
+
+
+@dataclass
+class FailFast:
+    """Stop a run whose first `window` attempts all failed the same way before any succeeded: a
+    dead endpoint or a request every prompt gets wrong would otherwise retry each prompt at full
+    backoff (101 s for 4 prompts with the default 8 retries) before saying the same thing."""
+
+    window: int = 8
+    attempts: int = 0
+    succeeded: bool = False
+    first: Failure | None = None
+    alike: bool = True
+
+    def success(self) -> None:
+        self.succeeded = True
+
+    def failed(self, failure: Failure) -> bool:
+        """Count a failed attempt; True when the run should stop now."""
+        if self.succeeded:
+            return False
+        if self.first is None:
+            self.first = failure
+        elif (failure.kind, failure.status_code, failure.message) != \
+                (self.first.kind, self.first.status_code, self.first.message):
+            self.alike = False
+        self.attempts += 1
+        return self.alike and 0 < self.window <= self.attempts

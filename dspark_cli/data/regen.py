@@ -31,7 +31,7 @@ from ..redact import clean, register_secret, shorten
 from ..settings.regen import RegenSettings
 from ..stage import StageResult, already_done, completed
 from . import io
-from .faults import Failure, MalformedResponse, RequestFailed, RetryPolicy, classify
+from .faults import FailFast, Failure, MalformedResponse, RequestFailed, RetryPolicy, classify
 from .progress import RegenCounters, RegenProgress
 from .store import ResponseStore, StoreState
 
@@ -169,6 +169,7 @@ class _Job:
         self.counters = counters
         self.progress = progress
         self.policy = RetryPolicy(settings.max_retries, settings.retry_base_delay, settings.retry_max_delay)
+        self.fail_fast = FailFast(settings.fail_fast_after)
         self.body = request_body(settings)
         self.sampling = json.dumps(sampling_params(settings), sort_keys=True)
         self.ok: list[dict[str, Any]] = []
@@ -219,11 +220,15 @@ class _Job:
         while True:
             self.counters.requests += 1
             try:
-                return parse_completion(await chat_completion(client, {**self.body, "messages": messages}))
+                turn = parse_completion(await chat_completion(client, {**self.body, "messages": messages}))
+                self.fail_fast.success()
+                return turn
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - classify decides: retry or record
                 failure: Failure = classify(e)
+            if self.fail_fast.failed(failure):
+                raise StoppedEarly(self.fail_fast.attempts, failure)
             if not self.policy.should_retry(attempt, failure):
                 raise RequestFailed(failure, attempt + 1)
             await asyncio.sleep(self.policy.delay(attempt, failure))
@@ -362,7 +367,10 @@ def regen(cfg: PipelineConfig, input_url: str | None = None, output_url: str | N
             try:
                 asyncio.run(_run(job, s, key, endpoints))
             except BaseExceptionGroup as group:  # a worker or the writer failed: show that error
-                raise _first_leaf(group) from None
+                error = _first_leaf(group)
+                if isinstance(error, StoppedEarly) and run.state == "fresh":
+                    run.abandon()  # nothing answered: the corrected rerun starts afresh, no --force
+                raise error from None
     final = store.finish()  # the one read of the whole output
     unsettled = set(ids) - final.settled
     if unsettled:  # only a bug could get here: never mark the stage done over missing prompts
@@ -413,6 +421,16 @@ def _refuse_unusable(run: manifest.StageRun, store: ResponseStore, totals: dict[
                       f"--max-error-share {max_share:g}{why}.",
                       hint=f"fix the cause and rerun the same command: the {errors} failed prompts are "
                            f"retried, the {totals['responses']} answers kept.")
+
+
+class StoppedEarly(StageFailed):
+    """The first requests of a run all failed the same way (FailFast): stop, say it once."""
+
+    def __init__(self, attempts: int, failure: Failure) -> None:
+        status = f" {failure.status_code}" if failure.status_code else ""
+        super().__init__(f"data regen: stopped early: the first {attempts} requests all failed the same way "
+                         f"({failure.kind}{status}: {shorten(failure.message, 200)}); no answer was stored.",
+                         hint="fix the endpoint, model or request settings, then rerun the same command.")
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:

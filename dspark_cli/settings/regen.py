@@ -43,6 +43,9 @@ class RegenSettings(Section):
     #: The run fails (no manifest; the rerun retries the failed prompts) when more than this share
     #: of the prompts failed for good. A run that answered nothing always fails.
     max_error_share: float = 0.5
+    #: Stop the run when its first this many attempts all failed the same way before any answer
+    #: came (a dead endpoint, a request the server always refuses); 0 never stops early.
+    fail_fast_after: int = 8
     #: Rows per committed output shard.
     batch_rows: int = 256
     #: Commit a partial batch after this many seconds, so slow runs lose little when killed.
@@ -71,6 +74,8 @@ class RegenSettings(Section):
             self.fail("max_retries", f"must be >= 0, got {self.max_retries}.")
         if not 0 <= self.max_error_share <= 1:
             self.fail("max_error_share", f"must be in [0, 1], got {self.max_error_share}.")
+        if self.fail_fast_after < 0:
+            self.fail("fail_fast_after", f"must be >= 0 (0: never stop early), got {self.fail_fast_after}.")
         if self.batch_rows <= 0:
             self.fail("batch_rows", f"must be > 0, got {self.batch_rows}.")
         if self.request_timeout <= 0:
