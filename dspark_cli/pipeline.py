@@ -168,6 +168,10 @@ def preflight(cfg: PipelineConfig, stages: list[str]) -> None:
     if "regen" in todo and not cfg.regen.serve_target and not (cfg.regen.endpoints and cfg.regen.model):
         problems.append(("regen", "regen.endpoints and regen.model must be set (or regen.serve_target).",
                          "--set regen.endpoints=['http://HOST:PORT/v1'] --set regen.model=NAME"))
+    elif "regen" in todo and not cfg.regen.serve_target:  # the endpoints answer and serve the model now
+        from .data.regen import check_endpoints
+
+        check("regen", lambda: check_endpoints(cfg.regen))
     users = [st for st in todo if st in ("cache", "train", "calibrate", "eval")
              or (st == "regen" and cfg.regen.serve_target)]
     if users:  # the target: a local folder with config.json, or a hub id the hub can serve now

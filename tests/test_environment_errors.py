@@ -169,3 +169,15 @@ def test_a_mask_token_that_is_eos_or_pad_is_refused(tiny_qwen3_target):
             DrafterConfig.from_target(config, layers=[1, 2], mask_token_id=busy)
     spare = DrafterConfig.from_target(config, layers=[1, 2], mask_token_id=config.vocab_size - 1)
     assert spare.mask_token_id == config.vocab_size - 1
+
+
+def test_pipeline_run_probes_the_regen_endpoint_before_the_first_stage(tmp_path, capsys):
+    src = tmp_path / "a.jsonl"
+    src.write_text("".join(_row(i) for i in range(4)))
+    toml = tmp_path / "p.toml"
+    toml.write_text(f'[pipeline]\nwork_dir = "{tmp_path / "work"}"\n[data]\nsource = "{src}"\n'
+                    '[regen]\nendpoints = ["http://127.0.0.1:9/v1"]\nmodel = "m"\n')
+    code, err = _main(["pipeline", "run", str(toml), "--stages", "prepare,regen"], capsys)
+    line = _one_line(err)
+    assert code == 2 and "stage regen" in line and "127.0.0.1:9" in line and "connection refused" in line
+    assert not (tmp_path / "work").exists()  # prepare did not run

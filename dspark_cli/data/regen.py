@@ -457,6 +457,12 @@ def make_client(endpoint: str, key: str, timeout: float) -> tuple[openai.AsyncOp
     return client, transport
 
 
+def check_endpoints(s: RegenSettings) -> list[str]:
+    """The endpoints that serve `s.model` now (GET /models); DsparkError naming them when none does.
+    `pipeline run` calls it before its first stage, as regen does before claiming its output."""
+    return asyncio.run(_probe(s, api_key(s)))
+
+
 async def _probe(s: RegenSettings, key: str) -> list[str]:
     """The usable endpoints (see `probe`), with short-lived clients of their own."""
     clients = {ep: make_client(ep, key, s.request_timeout)[0] for ep in dict.fromkeys(s.endpoints)}
