@@ -123,3 +123,30 @@ def test_a_corrupt_chunk_stops_train_with_one_line_naming_shard_and_array(cache,
     obj.write_bytes(original)  # repaired: the same command now trains, no --force needed
     done = run_dspark(*args)
     assert done.returncode == 0, (line, done.stderr)
+
+
+def test_a_deleted_shard_is_missing_before_the_first_step(cache, tiny_qwen3_target, tmp_path, capsys):
+    """Issue 29: found only after training had started, and called corrupt."""
+    import shutil
+
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy)
+    shutil.rmtree(copy / "shards" / "shard-00001")
+    mask = f"target.mask_token_id={mask_token_id(tiny_qwen3_target)}"
+    code = run("train", "--cache", str(copy), "--output", str(tmp_path / "t"), "--max-steps", "2",
+               "--set", mask, *[a for s in SETS for a in ("--set", s)])
+    err = capsys.readouterr().err
+    line = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2 and line and "shard-00001 is missing" in line[0] and "corrupt" not in err, err
+    assert not (tmp_path / "t" / "checkpoints").exists()
+
+
+def test_train_with_another_target_names_the_cache_s_target(cache, tiny_qwen3_target, tiny_llama_target,
+                                                            tmp_path, capsys):
+    code = run("train", "--cache", cache, "--output", str(tmp_path / "t"), "--max-steps", "1",
+               "--target", str(tiny_llama_target), "--set", "target.mask_token_id=384",
+               *[a for s in SETS for a in ("--set", s)])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert f"the cache was built for another target ({tiny_qwen3_target}), not {tiny_llama_target}" in err
+    assert not (tmp_path / "t").exists()

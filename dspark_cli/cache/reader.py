@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import manifest
+from .. import manifest, storage
 from ..console import console
 from ..errors import DsparkError
 from ..sample import Sample
@@ -103,6 +103,7 @@ class CacheDataset(torch.utils.data.Dataset):
         self.storage_dtype = self.meta["storage_dtype"]
         self.hidden_size = int(self.meta["hidden_size"])
         shards = self.meta["shards"]
+        self._check_shards_present([store.shard_name(s["index"]) for s in shards])
         # Global index: (shard index, sample index within shard), in shard order.
         index = [(s["index"], j) for s in shards for j in range(s["num_samples"])]
         self._splits = []
@@ -146,8 +147,20 @@ class CacheDataset(torch.utils.data.Dataset):
         if hidden is not None and int(hidden) != int(meta["hidden_size"]):
             raise DsparkError(f"{self.url}: cache hidden size is {meta['hidden_size']}, expected {hidden}.")
         if config_hash is not None and config_hash != meta["target_config_hash"]:
-            raise DsparkError(f"{self.url}: cache was built from another target (config hash "
-                              f"{meta['target_config_hash'][:12]}…, expected {config_hash[:12]}…).")
+            built_for = meta.get("target") or "?"
+            raise DsparkError(f"{self.url}: the cache was built for another target ({built_for}; config "
+                              f"hash {meta['target_config_hash'][:12]}…, expected {config_hash[:12]}…).")
+
+    def _check_shards_present(self, names: list[str]) -> None:
+        """Every shard the manifest lists is there (one listing, before the first step): a deleted
+        shard folder is missing, not corrupt, and is found before training starts."""
+        present = set(storage.listdir(storage.join(self.url, store.SHARDS_DIR)))
+        missing = [name for name in names if name not in present]
+        if missing:
+            raise DsparkError(f"{self.url}: shard {missing[0]} is missing ({len(missing)} of {len(names)} "
+                              "shards the cache manifest lists are not there).",
+                              hint="restore the shard folder, or rebuild the cache "
+                                   "(`dspark cache build … --force`).")
 
     def __len__(self) -> int:
         return len(self.index)

@@ -129,6 +129,11 @@ def drafter_config_for(cfg: PipelineConfig, meta: dict[str, Any]) -> DrafterConf
     if not target:
         raise DsparkError("no target model: set target.model (the folder or id the cache was built from).")
     target_config = load_config(target, cfg.target.revision, cfg.target.trust_remote_code)
+    built_for = meta.get("target") or "?"
+    if meta.get("target_config_hash") and config_hash(target_config) != meta["target_config_hash"]:
+        raise DsparkError(f"the cache was built for another target ({built_for}), not {target} "
+                          "(their configs differ).",
+                          hint=f"train with --target {built_for}, or build a cache for {target}.")
     if meta.get("layers"):
         layers = agree_layers(cfg.target.layers, list(meta["layers"]), "the cache")
     else:  # a caller-supplied dataset: what `cache build` would have resolved
@@ -138,9 +143,6 @@ def drafter_config_for(cfg: PipelineConfig, meta: dict[str, Any]) -> DrafterConf
     if meta.get("hidden_size") and int(meta["hidden_size"]) != config.hidden_size:
         raise DsparkError(f"the cache's hidden size {meta['hidden_size']} differs from the target's "
                           f"{config.hidden_size} ({target}).")
-    if meta.get("target_config_hash") and config_hash(target_config) != meta["target_config_hash"]:
-        raise DsparkError(f"the cache was built from another target than {target} (config hash differs).",
-                          hint="train with the target the cache was built from (--target).")
     return config
 
 
