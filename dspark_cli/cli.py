@@ -48,10 +48,20 @@ def _register() -> None:
     register_all(app)
 
 
-def main(argv: list[str] | None = None) -> None:
+def command() -> typer.core.TyperGroup:
+    """The click command tree of `app`, with the help a person reads (`commands/_help.py`)."""
+    from .commands._help import readable_help
+
     _register()
+    tree = typer.main.get_command(app)
+    readable_help(tree)
+    return tree
+
+
+def main(argv: list[str] | None = None) -> None:
+    tree = command()
     try:
-        code = app(args=argv, standalone_mode=False)
+        code = tree.main(args=argv, standalone_mode=False, prog_name="dspark")
         if code == 130:  # typer turns Ctrl-C into a returned 130 (no dspark command exits 130 itself)
             _interrupted()
         if isinstance(code, int) and code:  # a command's typer.Exit(n): click returns n here

@@ -181,3 +181,40 @@ def test_pipeline_run_probes_the_regen_endpoint_before_the_first_stage(tmp_path,
     line = _one_line(err)
     assert code == 2 and "stage regen" in line and "127.0.0.1:9" in line and "connection refused" in line
     assert not (tmp_path / "work").exists()  # prepare did not run
+
+
+def test_help_reads_as_words_and_lists_commands_in_pipeline_order(capsys):
+    import re
+
+    from dspark_cli.cli import command
+    from dspark_cli.commands._help import ORDER
+
+    assert list(command().commands) == list(ORDER)
+    for argv in (["data", "regen"], ["cache", "build"], ["train"], ["eval"], ["serve"], ["model", "convert"],
+                 ["export", "write"], ["pipeline", "run"], ["profile"], ["calibrate"], ["data", "prepare"]):
+        text = _help(argv, capsys)
+        assert not re.search(r"<(str|int|float|list\[\w+\])>|\{[a-z_]+\}", text), (argv, text)
+    regen = _help(["data", "regen"], capsys)
+    assert "--set KEY=VALUE" in regen and "--endpoint URL" in regen and "--concurrency N" in regen
+    assert "-o, --output PATH" in regen and "--temperature X" in regen
+    assert "SRC" in _help(["model", "convert"], capsys) and "Usage: dspark serve [OPTIONS] {MODEL}" in \
+        _help(["serve"], capsys)
+
+
+def _help(argv: list[str], capsys) -> str:
+    code = 0
+    try:
+        main([*argv, "--help"])
+    except SystemExit as e:
+        code = int(e.code or 0)
+    assert code == 0
+    return capsys.readouterr().out
+
+
+def test_the_first_cache_progress_line_says_nothing_about_bytes_not_yet_written():
+    from dspark_cli.cache.build import progress_line
+
+    first = progress_line(0, 1, 4, tokens=1000, raw_bytes=0, stored_bytes=0, elapsed=2.0)
+    assert first == "  shard     0 (1/4): 500 tok/s, ETA 6s"
+    later = progress_line(3, 2, 4, tokens=1000, raw_bytes=4096, stored_bytes=2048, elapsed=2.0)
+    assert "2.0 KiB written, compression 2.00×" in later or "written, compression 2.00×" in later

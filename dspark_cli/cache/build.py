@@ -187,6 +187,18 @@ def target_meta(target: Target, cfg: PipelineConfig, layers: list[int]) -> dict[
             "vocab_size": target.vocab_size, "template_hash": target.template_hash}
 
 
+def progress_line(shard: int, n: int, total: int, tokens: int, raw_bytes: int, stored_bytes: int,
+                  elapsed: float) -> str:
+    """One build progress line; the bytes and compression only once the writer has stored some
+    (the first line used to say '0 B written, compression nan×')."""
+    eta = elapsed / n * (total - n)
+    written = ""
+    if stored_bytes:
+        written = f"{_fmt_bytes(stored_bytes)} written, compression {raw_bytes / stored_bytes:.2f}×, "
+    return (f"  shard {shard:5d} ({n}/{total}): {tokens / max(elapsed, 1e-9):,.0f} tok/s, {written}"
+            f"ETA {eta:,.0f}s")
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1024 or unit == "TB":
@@ -256,11 +268,8 @@ def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force:
                 stats.render_s += t1 - t0
                 stats.forward_s += t2 - t1
                 writer.submit(ShardJob(k, samples, skipped, skipped_ids))
-                elapsed = time.time() - stats.started
-                eta = elapsed / n * (len(todo) - n)
-                ratio = stats.raw_bytes / stats.stored_bytes if stats.stored_bytes else float("nan")
-                say(f"  shard {k:5d} ({n}/{len(todo)}): {stats.tokens / max(elapsed, 1e-9):,.0f} tok/s, "
-                    f"{_fmt_bytes(stats.stored_bytes)} written, compression {ratio:.2f}×, ETA {eta:,.0f}s")
+                say(progress_line(k, n, len(todo), stats.tokens, stats.raw_bytes, stats.stored_bytes,
+                                  time.time() - stats.started))
         finally:
             writer.close()
     summary: dict[str, Any] = {"worker": rank, "world": world, "shards_built": len(todo),
