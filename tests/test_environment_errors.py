@@ -218,3 +218,18 @@ def test_the_first_cache_progress_line_says_nothing_about_bytes_not_yet_written(
     assert first == "  shard     0 (1/4): 500 tok/s, ETA 6s"
     later = progress_line(3, 2, 4, tokens=1000, raw_bytes=4096, stored_bytes=2048, elapsed=2.0)
     assert "2.0 KiB written, compression 2.00×" in later or "written, compression 2.00×" in later
+
+
+def test_a_failed_shard_write_leaves_no_temporary(tmp_path, monkeypatch):
+    import errno
+
+    from dspark_cli import storage
+    from dspark_cli.cache import store
+
+    def disk_full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(storage, "commit", disk_full)
+    with pytest.raises(OSError):
+        store.write_shard(str(tmp_path / "shards" / "shard-00000"), {"a/zarr.json": b"{}"}, {})
+    assert list((tmp_path / "shards").iterdir()) == []

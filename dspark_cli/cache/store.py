@@ -25,6 +25,7 @@ import asyncio
 import hashlib
 import os
 import posixpath
+import shutil
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -152,11 +153,15 @@ def write_shard(url: str, objects: dict[str, bytes], payload: dict[str, Any]) ->
     if storage.is_local(fs):
         parent, name = posixpath.split(path.rstrip("/"))
         tmp = posixpath.join(parent, f"{storage.TMP_PREFIX}{name}-{uuid.uuid4().hex[:8]}")
-        for key, blob in objects.items():
-            os.makedirs(posixpath.dirname(posixpath.join(tmp, key)), exist_ok=True)
-            with open(posixpath.join(tmp, key), "wb") as f:
-                f.write(blob)
-        storage.commit(tmp, payload)
+        try:
+            for key, blob in objects.items():
+                os.makedirs(posixpath.dirname(posixpath.join(tmp, key)), exist_ok=True)
+                with open(posixpath.join(tmp, key), "wb") as f:
+                    f.write(blob)
+            storage.commit(tmp, payload)
+        except BaseException:  # a full disk, an interrupt: no temporary shard left behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if os.path.exists(path):  # a partial shard from an older layout or a killed object-store-style write
             storage.remove(path)
         os.rename(tmp, path)
