@@ -233,3 +233,17 @@ def test_a_failed_shard_write_leaves_no_temporary(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         store.write_shard(str(tmp_path / "shards" / "shard-00000"), {"a/zarr.json": b"{}"}, {})
     assert list((tmp_path / "shards").iterdir()) == []
+
+
+def test_a_truncated_target_safetensors_is_one_line_naming_the_target(tmp_path, tiny_llama_target):
+    import shutil
+
+    from dspark_cli.errors import DsparkError
+    from dspark_cli.target.model import load_target
+
+    copy = tmp_path / "target"
+    shutil.copytree(tiny_llama_target, copy)
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:200])
+    with pytest.raises(DsparkError, match=f"target '{copy}': cannot load it"):
+        load_target(str(copy), dtype="float32", device="cpu")

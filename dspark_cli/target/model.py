@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..errors import DsparkError
+from ..errors import DsparkError, environment_error
 from . import capture as _capture
 from . import chat, identity
 from .dtypes import auto_dtype, resolve_device, torch_dtype
@@ -54,7 +54,9 @@ def load_target(path_or_id: str, dtype: str | torch.dtype = "bfloat16", device: 
     try:
         model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=torch_dtype(dtype),
                                                      use_safetensors=True, **hub)
-    except (OSError, ValueError, KeyError) as e:  # ValueError/KeyError: an unknown model type
+    except Exception as e:  # ValueError/KeyError: an unknown model type; SafetensorError: a damaged file
+        if not isinstance(e, OSError | ValueError | KeyError) and environment_error(e) is None:
+            raise
         raise DsparkError(f"target {path_or_id!r}: cannot load it ({first_line(e)}).", hint=LOAD_HINT) from e
     model.to(dev).eval()
     model.requires_grad_(False)
