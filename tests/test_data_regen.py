@@ -44,6 +44,17 @@ def fixture_server(openai_server):
     return openai_server
 
 
+def _settle(server, quiet_s: float = 0.3, limit_s: float = 5.0) -> None:
+    """Wait until the server has seen no new request for quiet_s: a failed run's requests that
+    were in flight when it stopped still land, and must not count after a reset."""
+    last, since, stop = server.stats()["requests"], time.monotonic(), time.monotonic() + limit_s
+    while time.monotonic() < stop and time.monotonic() - since < quiet_s:
+        time.sleep(0.05)
+        now = server.stats()["requests"]
+        if now != last:
+            last, since = now, time.monotonic()
+
+
 def _prompts(tmp_path: Path, n: int, extra: list[dict] | None = None) -> str:
     """A prepared prompts artifact of n conversations (every 5th multi-turn with a system turn)."""
     src = tmp_path / "chats.jsonl"
@@ -220,6 +231,7 @@ def test_error_share_above_the_limit_fails_and_the_rerun_retries_only_the_failed
     kept = ResponseStore(out).scan()
     assert kept.ok and not kept.errors  # answers kept; the failures are not settled
     fixture_server.set_faults()
+    _settle(fixture_server)
     fixture_server.reset()
     cfg = _cfg(fixture_server, "regen.max_retries=0", "regen.max_error_share=0.2")
     counts = regen(cfg, prompts, out).counts
