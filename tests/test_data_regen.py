@@ -47,10 +47,14 @@ def fixture_server(openai_server):
 def _settle(server, quiet_s: float = 0.3, limit_s: float = 5.0) -> None:
     """Wait until the server has seen no new request for quiet_s: a failed run's requests that
     were in flight when it stopped still land, and must not count after a reset."""
-    last, since, stop = server.stats()["requests"], time.monotonic(), time.monotonic() + limit_s
+    def seen() -> tuple[int, int]:
+        stats = server.stats()
+        return stats["requests"], stats["completions"]
+
+    last, since, stop = seen(), time.monotonic(), time.monotonic() + limit_s
     while time.monotonic() < stop and time.monotonic() - since < quiet_s:
         time.sleep(0.05)
-        now = server.stats()["requests"]
+        now = seen()
         if now != last:
             last, since = now, time.monotonic()
 
