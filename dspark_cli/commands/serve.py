@@ -20,7 +20,7 @@ from ..console import console
 def serve(
     model: Annotated[str, typer.Argument(help="Model folder (e.g. from `dspark model convert`) or hub id.")],
     host: Annotated[str, typer.Option(help="Interface to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=0, max=65535, metavar="N", help="TCP port (0: any free port).")] = 8000,
+    port: Annotated[int, typer.Option(min=0, max=65535, metavar="N", help="TCP port, 0: any free.")] = 8000,
     served_model_name: Annotated[list[str] | None, typer.Option(
         "--served-model-name", help="Name(s) clients send as `model` (default: MODEL as given and "
         "its folder name). Repeatable; the first is listed by /v1/models.")] = None,
