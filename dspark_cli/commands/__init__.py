@@ -7,7 +7,8 @@ import importlib
 import typer
 
 #: Command modules, in the order `dspark --help` lists them. Each exposes `register(app)`.
-GROUPS = ("data", "cache", "train", "export", "calibrate", "eval", "profile", "serve", "model", "pipeline")
+GROUPS = ("data", "cache", "train", "export", "calibrate", "eval", "profile", "serve", "model", "pipeline",
+          "plan")
 
 
 def register_all(app: typer.Typer) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 #: `dspark --help` order: convert the target, then the stages as a pipeline runs them, then the tools.
-ORDER = ("model", "data", "cache", "train", "calibrate", "eval", "export", "profile", "serve", "pipeline")
+ORDER = ("model", "data", "cache", "plan", "train", "calibrate", "eval", "export", "profile", "serve",
+         "pipeline")
 
 #: Metavar by option or argument name (without dashes, underscores as dashes).
 _BY_NAME = {
