@@ -112,6 +112,18 @@ def test_in_process_faults_are_one_line(files, capsys, monkeypatch, argv, culpri
         assert culprit in line, (culprit, line)
 
 
+def test_export_onto_a_user_folder_is_refused_and_leaves_it_as_it_was(files, capsys):
+    """Issue 29's re-run: export wrote its two files among the user's own (a stage refuses that)."""
+    mine = files / "users_folder"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("mine\n")
+    code, err = _main(["export", str(files / "truncated"), str(mine)], capsys)
+    line = _one_line(err)
+    assert code == 2 and "users_folder: folder is not empty (keep.txt)" in line, err
+    assert "no drafter export" in line
+    assert sorted(p.name for p in mine.iterdir()) == ["keep.txt"]
+
+
 def test_a_missing_file_beside_its_right_spelling_gets_a_did_you_mean(files, capsys, monkeypatch):
     monkeypatch.chdir(files)
     code, err = _main(["data", "prepare", "--source", "good.jsnol", "-o", str(files / "o4")], capsys)
