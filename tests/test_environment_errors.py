@@ -102,6 +102,9 @@ def _one_line(err: str) -> str:
     (["pipeline", "new", "--target", "{r}/a_folder", "-o", "{r}/a_folder"], ["a_folder", "is a folder"]),
     (["data", "prepare", "--source", "{r}/good.jsonl", "-o", "/proc/no/such/place"], ["/proc/no"]),
     (["data", "prepare", "--source", "goood.jsonl", "-o", "{r}/o3"], ["goood.jsonl", "not found"]),
+    (["train", "--cache", "{r}/cahce", "-o", "{r}/t", "--set", "target.mask_token_id=3"],
+     ["cahce", "no such cache folder"]),
+    (["cache", "verify", "{r}/cahce"], ["cahce", "no such cache folder"]),
 ])
 def test_in_process_faults_are_one_line(files, capsys, monkeypatch, argv, culprits):
     monkeypatch.chdir(files)
