@@ -54,7 +54,7 @@ ENTRY_POINT_CASES = [
     (["export", "{r}/truncated", "{r}/e1"], ["truncated/model.safetensors"]),
     (["data", "regen", "-i", "{r}/binary_manifest", "-o", "{r}/r", "--endpoint", "http://127.0.0.1:9/v1",
       "--model", "m"],
-     ["binary_manifest/manifest.json", "not UTF-8"]),
+     ["binary_manifest/manifest.json", "not UTF-8", "so it is damaged"]),
     (["model", "convert", "{r}/fake.gguf", "{r}/m"], ["fake.gguf", "GGUF"]),
     (["serve", "{r}/a_folder", "--port", "99999"], ["--port"]),
     (["serve", "{r}/a_folder", "--threads", "-1"], ["--threads"]),
