@@ -127,6 +127,18 @@ def test_export_onto_a_user_folder_is_refused_and_leaves_it_as_it_was(files, cap
     assert sorted(p.name for p in mine.iterdir()) == ["keep.txt"]
 
 
+def test_hints_name_the_rerun_or_the_argument_the_command_has(files, capsys):
+    """A damaged manifest.json is dspark's own file: rerun its stage (not "save it as UTF-8"); export
+    takes CHECKPOINT, so its hint names no --drafter flag."""
+    code, err = _main(["data", "regen", "-i", str(files / "binary_manifest"), "-o", str(files / "r2"),
+                       "--endpoint", "http://127.0.0.1:9/v1", "--model", "m"], capsys)
+    assert code == 2 and f"hint: rerun the stage that wrote {files / 'binary_manifest'}" in err, err
+    assert "save the file as UTF-8" not in err
+    code, err = _main(["export", str(files / "a_folder"), str(files / "e5")], capsys)
+    assert code == 2 and "a_folder: is neither a dspark checkpoint" in _one_line(err), err
+    assert "--drafter" not in err and "hint: pass a train artifact, checkpoint or export folder" in err
+
+
 def test_a_missing_file_beside_its_right_spelling_gets_a_did_you_mean(files, capsys, monkeypatch):
     monkeypatch.chdir(files)
     code, err = _main(["data", "prepare", "--source", "good.jsnol", "-o", str(files / "o4")], capsys)

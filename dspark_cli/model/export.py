@@ -186,8 +186,8 @@ def read_config(url: str) -> DrafterConfig:
     missing = "does not exist" if not storage.exists(url) else \
         f"is neither a dspark checkpoint ({CHECKPOINT_CONFIG}) nor an export (config.json)"
     raise DsparkError(f"drafter {url}: {missing}.",
-                      hint="pass --drafter with a train artifact, checkpoint or export folder "
-                           "(the default, <work_dir>/train, is what `dspark train` writes).")
+                      hint="pass a train artifact, checkpoint or export folder "
+                           "(<work_dir>/train is what `dspark train` writes).")
 
 
 def resolve_drafter_url(url: str) -> str:
