@@ -207,6 +207,7 @@ def test_pipeline_run_probes_the_regen_endpoint_before_the_first_stage(tmp_path,
     code, err = _main(["pipeline", "run", str(toml), "--stages", "prepare,regen"], capsys)
     line = _one_line(err)
     assert code == 2 and "stage regen" in line and "127.0.0.1:9" in line and "connection refused" in line
+    assert "regen.endpoints in a config" in err  # pipeline run has no --endpoint flag to fix
     assert not (tmp_path / "work").exists()  # prepare did not run
 
 
