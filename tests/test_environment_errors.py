@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from fixtures.cli import assert_user_error, run_dspark
+from fixtures.cli import REPO, assert_user_error, run_dspark
 from fixtures.drafter import drafter_config
 
 from dspark_cli.cli import main
@@ -105,6 +105,8 @@ def _one_line(err: str) -> str:
     (["train", "--cache", "{r}/cahce", "-o", "{r}/t", "--set", "target.mask_token_id=3"],
      ["cahce", "no such cache folder"]),
     (["cache", "verify", "{r}/cahce"], ["cahce", "no such cache folder"]),
+    (["plan", str(REPO / "pipelines/qwen3-4b.toml"), "--tflops", "inf"], ["--tflops", "finite", "inf"]),
+    (["plan", str(REPO / "pipelines/qwen3-4b.toml"), "--tflops", "nan"], ["--tflops", "finite", "nan"]),
 ])
 def test_in_process_faults_are_one_line(files, capsys, monkeypatch, argv, culprits):
     monkeypatch.chdir(files)
