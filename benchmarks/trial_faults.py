@@ -254,15 +254,13 @@ def interrupt_train(root: Path, sets: list[str]) -> Callable[[], tuple[int, str,
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         ckpts = root / "train-int" / "checkpoints"
         deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None and \
-                len([c for c in ckpts.glob("step-*") if (c / "model.safetensors").exists()]) < 2:
+        committed = lambda: sorted(c.parent for c in ckpts.glob("step-*/_COMMITTED"))  # noqa: E731
+        while time.time() < deadline and proc.poll() is None and len(committed()) < 2:
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
-        newest = sorted(ckpts.glob("step-*"))[-1]
-        weights = newest / "model.safetensors"
-        if weights.exists():
-            weights.write_bytes(weights.read_bytes()[:100])
+        weights = committed()[-1] / "model.safetensors"  # the newest committed: resume must skip it
+        weights.write_bytes(weights.read_bytes()[:100])
         return proc.returncode, out, err, time.time() - started
 
     return go
