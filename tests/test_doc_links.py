@@ -17,7 +17,7 @@ FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 
 def slug(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, markup and punctuation dropped, spaces to '-'."""
-    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
+    text = re.sub(r"[`*]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
@@ -43,6 +43,7 @@ def test_slug_follows_github():
     assert slug("The demo (`make demo`)") == "the-demo-make-demo"
     assert slug("`pipeline run`, and a config's paths") == "pipeline-run-and-a-configs-paths"
     assert slug("Decode speed: `make bench-decode`") == "decode-speed-make-bench-decode"
+    assert slug("The trial (`benchmarks/trial_faults.py`)") == "the-trial-benchmarkstrial_faultspy"
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
