@@ -160,7 +160,13 @@ def read_manifest(output_url: str) -> dict[str, Any] | None:
     url = storage.join(output_url, MANIFEST_NAME)
     if not storage.exists(url):
         return None
-    manifest = storage.read_json(url)
+    try:
+        manifest = storage.read_json(url)
+    except DsparkError as e:  # not UTF-8 or not JSON: damaged, since dspark writes it whole
+        if not isinstance(e.__cause__, UnicodeDecodeError | json.JSONDecodeError):
+            raise
+        raise DsparkError(f"{str(e).rstrip('.')}; dspark writes it whole, so it is damaged.",
+                          hint=f"rerun the stage that wrote {output_url} (--force replaces it).") from e
     validate(manifest, "stage_manifest", where=url)
     return manifest
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from fixtures.cli import assert_user_error, run_dspark
+from fixtures.cli import REPO, assert_user_error, run_dspark
 from fixtures.drafter import drafter_config
 
 from dspark_cli.cli import main
@@ -54,7 +54,7 @@ ENTRY_POINT_CASES = [
     (["export", "{r}/truncated", "{r}/e1"], ["truncated/model.safetensors"]),
     (["data", "regen", "-i", "{r}/binary_manifest", "-o", "{r}/r", "--endpoint", "http://127.0.0.1:9/v1",
       "--model", "m"],
-     ["binary_manifest/manifest.json", "not UTF-8"]),
+     ["binary_manifest/manifest.json", "not UTF-8", "so it is damaged"]),
     (["model", "convert", "{r}/fake.gguf", "{r}/m"], ["fake.gguf", "GGUF"]),
     (["serve", "{r}/a_folder", "--port", "99999"], ["--port"]),
     (["serve", "{r}/a_folder", "--threads", "-1"], ["--threads"]),
@@ -102,6 +102,11 @@ def _one_line(err: str) -> str:
     (["pipeline", "new", "--target", "{r}/a_folder", "-o", "{r}/a_folder"], ["a_folder", "is a folder"]),
     (["data", "prepare", "--source", "{r}/good.jsonl", "-o", "/proc/no/such/place"], ["/proc/no"]),
     (["data", "prepare", "--source", "goood.jsonl", "-o", "{r}/o3"], ["goood.jsonl", "not found"]),
+    (["train", "--cache", "{r}/cahce", "-o", "{r}/t", "--set", "target.mask_token_id=3"],
+     ["cahce", "no such cache folder"]),
+    (["cache", "verify", "{r}/cahce"], ["cahce", "no such cache folder"]),
+    (["plan", str(REPO / "pipelines/qwen3-4b.toml"), "--tflops", "inf"], ["--tflops", "finite", "inf"]),
+    (["plan", str(REPO / "pipelines/qwen3-4b.toml"), "--tflops", "nan"], ["--tflops", "finite", "nan"]),
 ])
 def test_in_process_faults_are_one_line(files, capsys, monkeypatch, argv, culprits):
     monkeypatch.chdir(files)
@@ -110,6 +115,30 @@ def test_in_process_faults_are_one_line(files, capsys, monkeypatch, argv, culpri
     line = _one_line(err) if "Usage" not in err else err
     for culprit in culprits:
         assert culprit in line, (culprit, line)
+
+
+def test_export_onto_a_user_folder_is_refused_and_leaves_it_as_it_was(files, capsys):
+    """Issue 29's re-run: export wrote its two files among the user's own (a stage refuses that)."""
+    mine = files / "users_folder"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("mine\n")
+    code, err = _main(["export", str(files / "truncated"), str(mine)], capsys)
+    line = _one_line(err)
+    assert code == 2 and "users_folder: folder is not empty (keep.txt)" in line, err
+    assert "no drafter export" in line
+    assert sorted(p.name for p in mine.iterdir()) == ["keep.txt"]
+
+
+def test_hints_name_the_rerun_or_the_argument_the_command_has(files, capsys):
+    """A damaged manifest.json is dspark's own file: rerun its stage (not "save it as UTF-8"); export
+    takes CHECKPOINT, so its hint names no --drafter flag."""
+    code, err = _main(["data", "regen", "-i", str(files / "binary_manifest"), "-o", str(files / "r2"),
+                       "--endpoint", "http://127.0.0.1:9/v1", "--model", "m"], capsys)
+    assert code == 2 and f"hint: rerun the stage that wrote {files / 'binary_manifest'}" in err, err
+    assert "save the file as UTF-8" not in err
+    code, err = _main(["export", str(files / "a_folder"), str(files / "e5")], capsys)
+    assert code == 2 and "a_folder: is neither a dspark checkpoint" in _one_line(err), err
+    assert "--drafter" not in err and "hint: pass a train artifact, checkpoint or export folder" in err
 
 
 def test_a_missing_file_beside_its_right_spelling_gets_a_did_you_mean(files, capsys, monkeypatch):
@@ -180,6 +209,7 @@ def test_pipeline_run_probes_the_regen_endpoint_before_the_first_stage(tmp_path,
     code, err = _main(["pipeline", "run", str(toml), "--stages", "prepare,regen"], capsys)
     line = _one_line(err)
     assert code == 2 and "stage regen" in line and "127.0.0.1:9" in line and "connection refused" in line
+    assert "regen.endpoints in a config" in err  # pipeline run has no --endpoint flag to fix
     assert not (tmp_path / "work").exists()  # prepare did not run
 
 

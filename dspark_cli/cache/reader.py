@@ -25,11 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import manifest, storage
+from .. import storage
 from ..console import console
 from ..errors import DsparkError
 from ..sample import Sample
 from . import fp8, store
+from .verify import read_cache_manifest
 
 
 def _bf16(bits: np.ndarray) -> torch.Tensor:
@@ -94,10 +95,7 @@ class CacheDataset(torch.utils.data.Dataset):
                  expect_hidden_size: int | None = None, expect_target_config_hash: str | None = None,
                  split: str | None = None, lru_shards: int = 4, prefetch: int = 8) -> None:
         self.url = url
-        found = manifest.read_manifest(url)
-        if found is None or found.get("stage") != "cache":
-            raise DsparkError(f"{url}: not a finished cache (no cache manifest.json).",
-                              hint="run `dspark cache build` (or `dspark cache finalize`) first.")
+        found = read_cache_manifest(url)
         self.meta: dict[str, Any] = found["extra"]
         self._check(expect_layers, expect_hidden_size, expect_target_config_hash)
         self.storage_dtype = self.meta["storage_dtype"]

@@ -5,12 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .. import manifest
+from .. import manifest, storage
 from ..errors import DsparkError
 from . import store
 
 
 def read_cache_manifest(url: str) -> dict[str, Any]:
+    """The manifest of a finished cache; one line when the folder is absent (a typo) or unfinished."""
+    if not storage.exists(url):
+        raise DsparkError(f"{url}: no such cache folder.",
+                          hint="check the path (a typo?), or build it with `dspark cache build`.")
     found = manifest.read_manifest(url)
     if found is None or found.get("stage") != "cache":
         raise DsparkError(f"{url}: not a finished cache (no cache manifest.json).",

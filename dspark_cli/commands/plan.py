@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated
 
 import typer
@@ -25,9 +26,9 @@ def _gib(n: float) -> str:
 def plan_cmd(
     config: ConfigArg,
     gpus: Annotated[int, typer.Option("--gpus", min=1, help="GPUs (one rank each).")] = 8,
-    gpu_memory: Annotated[float, typer.Option("--gpu-memory", min=1.0, help="Memory per GPU, GiB.")] = 80.0,
-    tflops: Annotated[float, typer.Option("--tflops", min=0.001,
-                      help="Sustained bf16 TFLOP/s per GPU the wall time is stated at.")] = 300.0,
+    gpu_memory: Annotated[float, typer.Option("--gpu-memory", help="Memory per GPU, GiB (>= 1).")] = 80.0,
+    tflops: Annotated[float, typer.Option("--tflops",
+                      help="Sustained bf16 TFLOP/s per GPU the wall time is stated at (> 0).")] = 300.0,
     device: Annotated[str, typer.Option(
         "--device", help="cuda (the plan's cluster) or cpu (this machine's runtime and precision "
                          "rules).")] = "cuda",
@@ -52,6 +53,10 @@ def plan_cmd(
 
     if device not in ("cuda", "cpu"):
         raise DsparkError(f"--device {device!r}: must be cuda or cpu.")
+    # checked here, not by typer's min=: nan passes no bound and inf printed a 0.0 h plan
+    for flag, value, low in (("--gpu-memory", gpu_memory, 1.0), ("--tflops", tflops, 0.001)):
+        if not (math.isfinite(value) and value >= low):
+            raise DsparkError(f"{flag} must be a finite number >= {low:g}, got {value:g}.")
     cfg = load(config, set_, target={"model": target})
     data = plan_data(cfg, cache or cfg.stage_url("cache"), samples, tokens, loss_tokens)
     plan = make_plan(cfg, data, Cluster(gpus, gpu_memory, tflops, device))

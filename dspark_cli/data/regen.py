@@ -140,7 +140,8 @@ async def probe(clients: dict[str, openai.AsyncOpenAI], model: str) -> list[str]
     if not answering:
         detail = "; ".join(f"{ep} ({why})" for ep, _, why in results)
         raise DsparkError(f"no endpoint answered GET /models: {shorten(detail, 600)}",
-                          hint="start a server (e.g. `vllm serve MODEL`) or fix --endpoint (…/v1).")
+                          hint="start a server (e.g. `vllm serve MODEL`), or fix --endpoint "
+                               "(regen.endpoints in a config; …/v1).")
     for ep, _, why in results:
         if why:
             console.print(f"[yellow]warning:[/] {ep} did not answer ({why[:200]}); not using it.")
@@ -149,7 +150,7 @@ async def probe(clients: dict[str, openai.AsyncOpenAI], model: str) -> list[str]
         ep, served = answering[0]
         names = ", ".join(served[:10]) or "-"
         raise DsparkError(f"model '{model}' is not served by {ep}; it serves: {names}.",
-                          hint="pass --model with one of those names.")
+                          hint="pass one of those names as --model (regen.model in a config).")
     for ep, _served in answering:
         if ep not in usable:
             console.print(f"[yellow]warning:[/] {ep} does not serve '{model}'; not using it.")

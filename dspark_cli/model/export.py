@@ -143,11 +143,17 @@ def export_drafter(drafter: DSparkDrafter, out_url: str, include_embeddings: boo
 
 
 def check_export_output(out_url: str) -> None:
-    """Refuse an output that is a file, or a folder whose config.json/weights are not a drafter
-    export (a target model folder, say): writing there would overwrite files export did not make."""
+    """Refuse an output that is a file, a folder whose config.json/weights are not a drafter export
+    (a target model folder, say): writing there would overwrite files export did not make, or any
+    other non-empty folder: the serving folder would mix with the user's files."""
     storage.check_output(out_url)
     config_url = storage.join(out_url, "config.json")
     if not storage.exists(config_url) and not storage.exists(storage.join(out_url, WEIGHTS)):
+        names = [n for n in storage.listdir(out_url) if not n.startswith(storage.TMP_PREFIX)]
+        if names:  # someone's folder: the stages refuse it too (manifest._refuse_foreign_folder)
+            shown = ", ".join(names[:3]) + (" …" if len(names) > 3 else "")
+            raise DsparkError(f"{out_url}: folder is not empty ({shown}) and holds no drafter export.",
+                              hint="pass a new or empty folder as OUT.")
         return
     try:
         archs = storage.read_json(config_url).get("architectures") or []
@@ -180,8 +186,8 @@ def read_config(url: str) -> DrafterConfig:
     missing = "does not exist" if not storage.exists(url) else \
         f"is neither a dspark checkpoint ({CHECKPOINT_CONFIG}) nor an export (config.json)"
     raise DsparkError(f"drafter {url}: {missing}.",
-                      hint="pass --drafter with a train artifact, checkpoint or export folder "
-                           "(the default, <work_dir>/train, is what `dspark train` writes).")
+                      hint="pass a train artifact, checkpoint or export folder "
+                           "(<work_dir>/train is what `dspark train` writes).")
 
 
 def resolve_drafter_url(url: str) -> str:
