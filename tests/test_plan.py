@@ -14,7 +14,7 @@ from dspark_cli.model.config import DrafterConfig
 from dspark_cli.model.drafter import DSparkDrafter
 from dspark_cli.plan import memory
 from dspark_cli.plan.batches import synthetic_micro_batch
-from dspark_cli.plan.flops import micro_batch_flops
+from dspark_cli.plan.flops import flop_counter, micro_batch_flops
 from dspark_cli.train.loss import DrafterLoss, LossWeights
 
 HEADLESS = dict(markov_head_type="none", enable_confidence_head=False, confidence_head_with_markov=False)
@@ -50,6 +50,18 @@ def test_plan_flops_are_flop_counter_modes_count_of_a_real_step(kind):
     predicted = micro_batch_flops(c, batch.context_hidden.shape[0], batch.num_blocks)
     assert predicted.counted("cpu") == counter.get_total_flops()
     assert predicted.attention > 0 and predicted.total > predicted.counted("cpu")  # SDPA: uncounted on CPU
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "fill_in"])
+def test_plan_flops_total_is_the_count_with_cpus_fused_attention_counted(kind):
+    c = tiny(**KINDS[kind])
+    _, batch, loss_module = real_step(c)
+    with flop_counter() as counter:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = loss_module(batch, dense_mask(batch.layout))
+        loss.backward()
+    predicted = micro_batch_flops(c, batch.context_hidden.shape[0], batch.num_blocks)
+    assert counter.get_total_flops() == predicted.total > predicted.counted("cpu")
 
 
 @pytest.mark.parametrize("kind", ["vanilla", "headless"])
