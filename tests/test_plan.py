@@ -117,3 +117,16 @@ def test_an_unknown_target_offline_is_one_line(tmp_path):
     toml = tmp_path / "x.toml"
     toml.write_text('[target]\nmodel = "someone/unknown-7b"\nmask_token_id = 5\nlayers = [1, 2]\n')
     assert_user_error(run_dspark("plan", str(toml), env={"HF_HUB_OFFLINE": "1"}), "someone/unknown-7b")
+
+
+def test_the_online_target_is_counted_in_its_own_dtype():
+    from dspark_cli.config import load_config
+    from dspark_cli.plan.report import Cluster, Data, make_plan
+
+    data, cluster = Data(1000, 256, 192, "stated"), Cluster(1, 80.0, 300.0, "cpu")
+    peaks, parameters = {}, 0
+    for dtype in ("bfloat16", "float32"):
+        cfg = load_config("pipelines/qwen3-4b.toml", [f"target.dtype='{dtype}'"])
+        plan = make_plan(cfg, data, cluster)
+        peaks[dtype], parameters = plan.sources["online"].memory.online_target, plan.target["parameters"]
+    assert peaks["float32"] - peaks["bfloat16"] >= 2 * parameters > 8e9  # 4 bytes a weight, not 2

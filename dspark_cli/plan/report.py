@@ -11,6 +11,7 @@ from ..cache.estimate import EXPECTED_RATIO
 from ..cache.store import layout_bytes
 from ..config import PipelineConfig
 from ..model.config import DrafterConfig
+from ..target.dtypes import torch_dtype
 from . import memory
 from .flops import StepFlops, micro_batch_flops
 from .shapes import TargetShape, shapes
@@ -116,8 +117,9 @@ def step_memory(cfg: PipelineConfig, c: DrafterConfig, target: TargetShape, data
     if online:
         d = target.hidden_size
         T = data.tokens_per_sample * tc.micro_batch
-        online_target = (target.parameters * 2 + (target.num_layers + 1) * T * d * 2
-                         + 3 * T * target.intermediate_size * 2)
+        size = torch_dtype(cfg.target.dtype).itemsize  # the target's weights and states in its dtype
+        online_target = (target.parameters * size + (target.num_layers + 1) * T * d * size
+                         + 3 * T * target.intermediate_size * size)
     return Memory(
         states=params.trainable * 12, gradients=params.trainable * 4, frozen=frozen,
         activations=memory.traced_activation_bytes(c, samples, tc.num_anchors, tc.loss_chunk_blocks, bf16),
