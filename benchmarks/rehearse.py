@@ -96,7 +96,8 @@ def main() -> None:  # noqa: PLR0915 - one linear script of stages
     ap.add_argument("--shape", choices=["qwen3-4b", "tiny"], default="qwen3-4b")
     ap.add_argument("--work", type=Path, default=None, help="default runs/rehearse (tiny: rehearse-tiny)")
     ap.add_argument("--conversations", type=int, default=24, help="the shortest bundled prompts")
-    ap.add_argument("--max-length", type=int, default=64, help="tokens a sample (cache.max_length)")
+    ap.add_argument("--max-length", type=int, default=112,
+                    help="tokens a sample (cache.max_length; the prompts with SmolLM2's template are 80-90)")
     ap.add_argument("--steps", type=int, default=2, help="optimizer steps of the cache-fed training")
     ap.add_argument("--online-steps", type=int, default=1, help="optimizer steps of the online training")
     ap.add_argument("--global-batch", type=int, default=2)
@@ -151,7 +152,7 @@ def main() -> None:  # noqa: PLR0915 - one linear script of stages
                                            str(train), "--max-steps", str(args.steps), "--force", *sets))
     stage("train-online", dspark("train", "-c", CONFIG, "--online", "--responses", str(responses),
                                  "--output", str(online), "--max-steps", str(args.online_steps), "--force",
-                                 *sets))
+                                 *sets, "--set=train.eval_samples=0"))  # its forwards: bf16 on CPU, slow
     exported = trained and stage("export", dspark("export", "write", str(train), str(export), "--target",
                                                   str(target)))
     if exported:
