@@ -140,7 +140,8 @@ def main() -> None:  # noqa: PLR0915 - one linear script of stages
     if not ok:
         sys.exit(1)
     rows = response_rows(args.conversations, shortest=True)
-    shutil.rmtree(responses, ignore_errors=True)
+    for old in (responses, cache, train, online, export, work / "calibration", work / "eval"):
+        shutil.rmtree(old, ignore_errors=True)  # every stage measured from nothing (the target is reused)
     write_responses(str(responses), rows)
     print(f"rehearse: {len(rows)} conversations ({sum(r['split'] == 'validation' for r in rows)} validation) "
           f"→ {responses}", flush=True)
