@@ -176,13 +176,34 @@ def main() -> None:  # noqa: PLR0915 - one linear script of stages
     check = None
     if trained:
         check = plan_check(cache, [*sets, f"--set=train.max_steps={args.steps}"], stages, env, logs)
-    (work / "rehearse.json").write_text(json.dumps(
-        {"shape": args.shape, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-         "argv": sys.argv[1:], "stages": [s.__dict__ for s in stages], "plan_check": check}, indent=2))
+    result = {"shape": args.shape, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "argv": sys.argv[1:], "stages": [s.__dict__ for s in stages], "plan_check": check}
+    (work / "rehearse.json").write_text(json.dumps(result, indent=2))
+    (work / "rehearse.md").write_text(table(result))
     failed = [s.name for s in stages if s.rc != 0]
     verdict = "all stages passed" if not failed else "FAILED: " + ", ".join(failed)
     print(f"rehearse: {verdict}; {work}/rehearse.json")
     sys.exit(1 if failed else 0)
+
+
+def table(result: dict) -> str:
+    """The markdown table docs/rehearse.md keeps: stage, seconds, peak RSS, with date and command."""
+    lines = [f"{result['date']}, `python -m benchmarks.rehearse {' '.join(result['argv'])}` "
+             f"(shape {result['shape']}):", "", "| stage | seconds | peak RSS (MiB) | |",
+             "|---|---:|---:|---|"]
+    for s in result["stages"]:
+        ok = "ok" if s["rc"] == 0 else "FAILED"
+        lines.append(f"| {s['name']} | {s['seconds']:.1f} | {s['peak_rss_mb']:.0f} | {ok} |")
+    if result.get("plan_check"):
+        lines += ["", check_line(result["plan_check"])]
+    return "\n".join(lines) + "\n"
+
+
+def check_line(check: dict) -> str:
+    c = check["cache"]
+    return (f"plan-check peak_mb_predicted={c['peak_mb_predicted']:.0f} "
+            f"peak_mb_measured={c['peak_mb_measured']:.0f} flops_predicted={check['flops_predicted']:.4g} "
+            f"flops_counted={check['flops_counted']:.4g}")
 
 
 def plan_check(cache: Path, sets: list[str], stages: list[Stage], env: dict[str, str],
@@ -209,9 +230,7 @@ def plan_check(cache: Path, sets: list[str], stages: list[Stage], env: dict[str,
     out["flops_predicted"] = step["sources"]["cache"]["flops_per_step"]
     out["flops_counted"] = counted["flops_counted"]
     c = out["cache"]
-    print(f"plan-check peak_mb_predicted={c['peak_mb_predicted']:.0f} "
-          f"peak_mb_measured={c['peak_mb_measured']:.0f} flops_predicted={out['flops_predicted']:.4g} "
-          f"flops_counted={out['flops_counted']:.4g}", flush=True)
+    print(check_line(out), flush=True)
     o = out["online"]
     if o["peak_mb_measured"] is not None:
         print(f"plan-check-online peak_mb_predicted={o['peak_mb_predicted']:.0f} "
