@@ -130,3 +130,20 @@ def test_the_online_target_is_counted_in_its_own_dtype():
         plan = make_plan(cfg, data, cluster)
         peaks[dtype], parameters = plan.sources["online"].memory.online_target, plan.target["parameters"]
     assert peaks["float32"] - peaks["bfloat16"] >= 2 * parameters > 8e9  # 4 bytes a weight, not 2
+
+
+def test_on_cpu_a_checkpoints_serialised_moments_count_and_not_on_a_gpu():
+    """train/checkpoint.py serialises the AdamW moments (8 bytes a trainable weight) in host memory
+    before writing them: on CPU that is the device's memory (make rehearse measured it as the peak)."""
+    from dspark_cli.config import load_config
+    from dspark_cli.plan.report import Cluster, Data, make_plan
+
+    cfg = load_config("pipelines/qwen3-4b.toml", [])
+    data = Data(1000, 112, 34, "stated")
+    cpu = make_plan(cfg, data, Cluster(1, 80.0, 300.0, "cpu"))
+    gpu = make_plan(cfg, data, Cluster(1, 80.0, 300.0, "cuda"))
+    trainable = cpu.parameters["trainable"]
+    m = cpu.sources["cache"].memory
+    assert m.checkpoint == 8 * trainable and gpu.sources["cache"].memory.checkpoint == 0
+    static = m.runtime + m.frozen + m.batches
+    assert m.peak == static + m.states + m.checkpoint  # short samples: the checkpoint is the peak

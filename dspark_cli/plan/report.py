@@ -55,11 +55,15 @@ class Memory:
     online_target: int
     runtime: int
     ddp_buckets: int
+    #: A checkpoint's AdamW moments serialised in host memory before the write (train/checkpoint.py);
+    #: counted where host memory is the device's (CPU), 0 for a GPU's own memory.
+    checkpoint: int = 0
 
     @property
     def peak(self) -> int:
         static = self.runtime + self.frozen + self.batches + self.online_target + self.ddp_buckets
-        return static + max(self.states + self.activations + self.transient, self.states + self.gradients)
+        return static + max(self.states + self.activations + self.transient, self.states + self.gradients,
+                            self.states + self.checkpoint)
 
 
 @dataclass
@@ -126,7 +130,8 @@ def step_memory(cfg: PipelineConfig, c: DrafterConfig, target: TargetShape, data
         transient=memory.loss_transient_bytes(c, blocks, tc.loss_chunk_blocks, bf16),
         batches=(1 + tc.prefetch_batches) * memory.batch_bytes(c, context, blocks),
         online_target=online_target, runtime=memory.RUNTIME_BYTES[cluster.device_type],
-        ddp_buckets=params.trainable * 4 if cluster.gpus > 1 else 0)
+        ddp_buckets=params.trainable * 4 if cluster.gpus > 1 else 0,
+        checkpoint=params.trainable * 8 if cluster.device_type == "cpu" else 0)
 
 
 def step_flops(cfg: PipelineConfig, c: DrafterConfig, data: Data) -> StepFlops:
