@@ -14,7 +14,7 @@ from dspark_cli.model.config import DrafterConfig
 from dspark_cli.model.drafter import DSparkDrafter
 from dspark_cli.plan import memory
 from dspark_cli.plan.batches import synthetic_micro_batch
-from dspark_cli.plan.flops import micro_batch_flops
+from dspark_cli.plan.flops import flop_counter, micro_batch_flops
 from dspark_cli.train.loss import DrafterLoss, LossWeights
 
 HEADLESS = dict(markov_head_type="none", enable_confidence_head=False, confidence_head_with_markov=False)
@@ -50,6 +50,18 @@ def test_plan_flops_are_flop_counter_modes_count_of_a_real_step(kind):
     predicted = micro_batch_flops(c, batch.context_hidden.shape[0], batch.num_blocks)
     assert predicted.counted("cpu") == counter.get_total_flops()
     assert predicted.attention > 0 and predicted.total > predicted.counted("cpu")  # SDPA: uncounted on CPU
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "fill_in"])
+def test_plan_flops_total_is_the_count_with_cpus_fused_attention_counted(kind):
+    c = tiny(**KINDS[kind])
+    _, batch, loss_module = real_step(c)
+    with flop_counter() as counter:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = loss_module(batch, dense_mask(batch.layout))
+        loss.backward()
+    predicted = micro_batch_flops(c, batch.context_hidden.shape[0], batch.num_blocks)
+    assert counter.get_total_flops() == predicted.total > predicted.counted("cpu")
 
 
 @pytest.mark.parametrize("kind", ["vanilla", "headless"])
@@ -105,3 +117,33 @@ def test_an_unknown_target_offline_is_one_line(tmp_path):
     toml = tmp_path / "x.toml"
     toml.write_text('[target]\nmodel = "someone/unknown-7b"\nmask_token_id = 5\nlayers = [1, 2]\n')
     assert_user_error(run_dspark("plan", str(toml), env={"HF_HUB_OFFLINE": "1"}), "someone/unknown-7b")
+
+
+def test_the_online_target_is_counted_in_its_own_dtype():
+    from dspark_cli.config import load_config
+    from dspark_cli.plan.report import Cluster, Data, make_plan
+
+    data, cluster = Data(1000, 256, 192, "stated"), Cluster(1, 80.0, 300.0, "cpu")
+    peaks, parameters = {}, 0
+    for dtype in ("bfloat16", "float32"):
+        cfg = load_config("pipelines/qwen3-4b.toml", [f"target.dtype='{dtype}'"])
+        plan = make_plan(cfg, data, cluster)
+        peaks[dtype], parameters = plan.sources["online"].memory.online_target, plan.target["parameters"]
+    assert peaks["float32"] - peaks["bfloat16"] >= 2 * parameters > 8e9  # 4 bytes a weight, not 2
+
+
+def test_on_cpu_a_checkpoints_serialised_moments_count_and_not_on_a_gpu():
+    """train/checkpoint.py serialises the AdamW moments (8 bytes a trainable weight) in host memory
+    before writing them: on CPU that is the device's memory (make rehearse measured it as the peak)."""
+    from dspark_cli.config import load_config
+    from dspark_cli.plan.report import Cluster, Data, make_plan
+
+    cfg = load_config("pipelines/qwen3-4b.toml", [])
+    data = Data(1000, 112, 34, "stated")
+    cpu = make_plan(cfg, data, Cluster(1, 80.0, 300.0, "cpu"))
+    gpu = make_plan(cfg, data, Cluster(1, 80.0, 300.0, "cuda"))
+    trainable = cpu.parameters["trainable"]
+    m = cpu.sources["cache"].memory
+    assert m.checkpoint == 8 * trainable and gpu.sources["cache"].memory.checkpoint == 0
+    static = m.runtime + m.frozen + m.batches
+    assert m.peak == static + m.states + m.checkpoint  # short samples: the checkpoint is the peak

@@ -36,6 +36,8 @@ KINDS = {
 DEMO_TARGET = ROOT / "runs" / "models" / "smollm2-135m-instruct"
 DEMO_EXPORTS = [ROOT / "runs" / name / "train" / "export"
                 for name in ("smollm2-135m-dspark", "smollm2-135m-dflash", "smollm2-135m-dflash-fill-in")]
+#: A real-size export and its target, checked when `make rehearse` points here (docs/rehearse.md).
+REHEARSAL = (os.environ.get("DSPARK_REHEARSE_EXPORT"), os.environ.get("DSPARK_REHEARSE_TARGET"))
 #: Which make target writes each of them (for the skip message).
 WRITTEN_BY = {"smollm2-135m-dspark": "make demo", "smollm2-135m-dflash": "make bench-quality",
               "smollm2-135m-dflash-fill-in": "make bench-vllm"}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEMO_EXPORTS, absent
+from conftest import DEMO_EXPORTS, REHEARSAL, absent
 from harness import sglang_module
 from safetensors.torch import load_file
 
@@ -272,6 +272,17 @@ def test_sglang_rejects_the_first_releases_gated_names(exports):
 def test_the_demos_real_exports_parse_and_load_in_sglang(folder, monkeypatch):
     if not (folder / "config.json").exists():
         pytest.skip(absent(folder))
+    assert_real_export_loads_in_sglang(folder, monkeypatch)
+
+
+def test_the_rehearsals_real_size_export_parses_and_loads_in_sglang(monkeypatch):
+    """`make rehearse`'s Qwen3-4B-size export (DSPARK_REHEARSE_EXPORT) in SGLang's parser and loader."""
+    if REHEARSAL[0] is None:
+        pytest.skip("DSPARK_REHEARSE_EXPORT unset (make rehearse sets it)")
+    assert_real_export_loads_in_sglang(Path(REHEARSAL[0]), monkeypatch)
+
+
+def assert_real_export_loads_in_sglang(folder: Path, monkeypatch) -> None:
     cfg = config_of(str(folder))
     if cfg["architectures"] == ["DFlashDraftModel"]:
         utils = sglang_module("sglang.srt.speculative.dflash_utils")

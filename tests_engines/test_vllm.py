@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEMO_EXPORTS, DEMO_TARGET, absent
+from conftest import DEMO_EXPORTS, DEMO_TARGET, REHEARSAL, absent
 from harness import vllm_block_hidden, vllm_context_kv, vllm_model
 from safetensors.torch import load_file
 
@@ -181,10 +181,22 @@ def test_the_cpu_key_bug_is_layer_zeros_norm_weight(target, exports, sample):
 def test_the_demos_real_exports_load(folder):
     if not (folder / "config.json").exists() or not (DEMO_TARGET / "config.json").exists():
         pytest.skip(absent(folder) if (DEMO_TARGET / "config.json").exists() else f"{DEMO_TARGET} absent")
+    assert_real_export_loads(folder, DEMO_TARGET)
+
+
+def test_the_rehearsals_real_size_export_loads():
+    """`make rehearse`'s Qwen3-4B-size export (DSPARK_REHEARSE_EXPORT / _TARGET) in vLLM's loader."""
+    if None in REHEARSAL:
+        pytest.skip("DSPARK_REHEARSE_EXPORT / DSPARK_REHEARSE_TARGET unset (make rehearse sets them)")
+    assert_real_export_loads(Path(REHEARSAL[0]), Path(REHEARSAL[1]))
+
+
+def assert_real_export_loads(folder: Path, target: Path) -> None:
+    """Every tensor of a real export lands in vLLM's model; only the target's shared rows are unwritten."""
     method, gamma = method_and_gamma(str(folder))
     cfg = json.loads((folder / "config.json").read_text())
     if method == "dspark" and cfg["markov_head_type"] != "vanilla":
         pytest.skip("a gated/rnn drafter: vLLM serves vanilla only")
-    with vllm_model(str(folder), str(DEMO_TARGET), method, gamma) as (model, _):
+    with vllm_model(str(folder), str(target), method, gamma) as (model, _):
         shared = {"model.mask_embedding", "model.embed_tokens.weight", "lm_head.weight"}
         assert set(model.unwritten) <= shared  # the embedding / lm_head come from the target

@@ -81,7 +81,8 @@ def plan_cmd(
         verdict = "fits" if sp.fits else "DOES NOT FIT"
         console.print(f"  {name:6} peak {sp.peak_gib:5.1f} GiB {verdict} = states "
                       f"{_gib(m.states + m.ddp_buckets)} + max(activations {_gib(m.activations)} + loss "
-                      f"chunk {_gib(m.transient)}, gradients {_gib(m.gradients)}) + frozen "
+                      f"chunk {_gib(m.transient)}, gradients {_gib(m.gradients)}"
+                      + (f", checkpoint {_gib(m.checkpoint)}" if m.checkpoint else "") + ") + frozen "
                       f"{_gib(m.frozen)} + batches {_gib(m.batches)} + target {_gib(m.online_target)} "
                       f"+ runtime {_gib(m.runtime)}")
         console.print(f"         {sp.flops_per_step / 1e12:.1f} TFLOP a step, "

@@ -9,14 +9,20 @@ A micro-batch packs N blocks (n_in slots each, γ draft slots) over C context po
     attention     4·Q·(C + Q)·q       per draft layer (dense mask: every key is scored)
 
 Backward is twice the forward for what is trained; the frozen lm_head costs one more product
-(∂/∂hidden), W2 two (∂/∂z, ∂/∂W2), fc one (its weight only). On CPU, FlopCounterMode does not
-count SDPA's fused kernel, so `counted` leaves attention out there; the tests hold the rest to
-FlopCounterMode exactly.
+(∂/∂hidden), W2 two (∂/∂z, ∂/∂W2), fc one (its weight only). Attention's backward is 2.5 times
+its forward: the fused kernels (flash on CPU and CUDA, flex) recompute the scores rather than save
+them, five products of that size (torch's own count of them). On CPU, a bare FlopCounterMode does
+not count SDPA's fused kernel, so `counted` leaves attention out there; `flop_counter()` is one
+that counts it with torch's own formula for the CUDA kernels, so the whole total can be checked
+against a real step on any device (tests/test_plan.py, `make rehearse`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+from torch.utils import flop_counter as fc_module
 
 from ..model.config import DrafterConfig
 
@@ -59,5 +65,24 @@ def micro_batch_flops(c: DrafterConfig, context_tokens: int, blocks: int) -> Ste
         heads += 3 * 2 * R * (d + r) * r
     elif c.markov_head_type == "rnn":
         heads += 3 * 2 * R * (2 * r + d) * 3 * r
-    attention = 3 * layers * 4 * Q * (C + Q) * q_dim
+    attention = layers * (4 + 10) * Q * (C + Q) * q_dim  # forward + backward (scores recomputed)
     return StepFlops(fc, context_kv, 3 * layers * block, vocabulary, heads, attention)
+
+
+def flop_counter() -> fc_module.FlopCounterMode:
+    """FlopCounterMode that also counts CPU's fused SDPA kernel (forward and backward) with torch's
+    own attention formulas, the ones it registers for the CUDA flash/efficient kernels."""
+    aten = torch.ops.aten
+    return fc_module.FlopCounterMode(display=False, custom_mapping={
+        aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flop,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward_flop})
+
+
+def _cpu_sdpa_flop(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:  # noqa: ANN001, ANN003
+    return fc_module.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_sdpa_backward_flop(grad_out_shape, query_shape, key_shape, value_shape, *args,  # noqa: ANN001
+                            out_shape=None, **kwargs) -> int:  # noqa: ANN003
+    """The CPU kernel's backward takes (grad_out, query, key, value, out, logsumexp, …)."""
+    return fc_module.sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)

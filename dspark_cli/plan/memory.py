@@ -11,8 +11,11 @@
     batches      the micro-batch in use and the ones prefetched (contexts, target states, mask)
     online       the frozen target in the target dtype and its forward's hidden states
     runtime      the process itself: measured for CPU (torch + libraries), an allowance for CUDA
+    checkpoint   a checkpoint's AdamW moments (8·P) serialised in host memory before the write: on
+                 CPU that is the device's memory, and `make rehearse` measured it as the peak
 
-    peak = runtime + frozen + batches (+ online) + max(12·P + activations + transient, 16·P)
+    peak = runtime + frozen + batches (+ online) + max(12·P + activations + transient, 16·P,
+                                                       12·P + checkpoint)
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from ..cache.estimate import EXPECTED_RATIO
 from ..cache.store import layout_bytes
 from ..config import PipelineConfig
 from ..model.config import DrafterConfig
+from ..target.dtypes import torch_dtype
 from . import memory
 from .flops import StepFlops, micro_batch_flops
 from .shapes import TargetShape, shapes
@@ -54,11 +55,15 @@ class Memory:
     online_target: int
     runtime: int
     ddp_buckets: int
+    #: A checkpoint's AdamW moments serialised in host memory before the write (train/checkpoint.py);
+    #: counted where host memory is the device's (CPU), 0 for a GPU's own memory.
+    checkpoint: int = 0
 
     @property
     def peak(self) -> int:
         static = self.runtime + self.frozen + self.batches + self.online_target + self.ddp_buckets
-        return static + max(self.states + self.activations + self.transient, self.states + self.gradients)
+        return static + max(self.states + self.activations + self.transient, self.states + self.gradients,
+                            self.states + self.checkpoint)
 
 
 @dataclass
@@ -116,15 +121,17 @@ def step_memory(cfg: PipelineConfig, c: DrafterConfig, target: TargetShape, data
     if online:
         d = target.hidden_size
         T = data.tokens_per_sample * tc.micro_batch
-        online_target = (target.parameters * 2 + (target.num_layers + 1) * T * d * 2
-                         + 3 * T * target.intermediate_size * 2)
+        size = torch_dtype(cfg.target.dtype).itemsize  # the target's weights and states in its dtype
+        online_target = (target.parameters * size + (target.num_layers + 1) * T * d * size
+                         + 3 * T * target.intermediate_size * size)
     return Memory(
         states=params.trainable * 12, gradients=params.trainable * 4, frozen=frozen,
         activations=memory.traced_activation_bytes(c, samples, tc.num_anchors, tc.loss_chunk_blocks, bf16),
         transient=memory.loss_transient_bytes(c, blocks, tc.loss_chunk_blocks, bf16),
         batches=(1 + tc.prefetch_batches) * memory.batch_bytes(c, context, blocks),
         online_target=online_target, runtime=memory.RUNTIME_BYTES[cluster.device_type],
-        ddp_buckets=params.trainable * 4 if cluster.gpus > 1 else 0)
+        ddp_buckets=params.trainable * 4 if cluster.gpus > 1 else 0,
+        checkpoint=params.trainable * 8 if cluster.device_type == "cpu" else 0)
 
 
 def step_flops(cfg: PipelineConfig, c: DrafterConfig, data: Data) -> StepFlops:
