@@ -240,7 +240,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--dtype", default="float32", help="vLLM's dtype (float32: differences are conventions)")
-    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the built-in prompts")
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many prompts")
+    ap.add_argument("--config", help="take the prompts from this pipeline's eval datasets (as bench-vllm)")
     ap.add_argument("--json", help="write the per-slot figures here")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -251,7 +252,15 @@ def main() -> None:
         random_export(args.target, args.export, 7, [1, 8, 14, 20, 27], args.mask_token_id)
     cfg = json.loads((Path(args.export) / "config.json").read_text())
     gamma = cfg["block_size"] - 1
-    per_prompt, sequences = record_vllm(args.export, args.target, PROMPTS[:args.prompts], gamma,
+    prompts = PROMPTS
+    if args.config:
+        from dspark_cli.config import load_config
+        from dspark_cli.decode.prompts import load_conversations
+
+        ev = load_config(args.config, []).eval
+        prompts = [c.turns[0] for url in ev.datasets for c in load_conversations(url, ev.limit)]
+        prompts = prompts[::max(1, len(prompts) // args.prompts)]  # spread over the datasets
+    per_prompt, sequences = record_vllm(args.export, args.target, prompts[:args.prompts], gamma,
                                         args.max_tokens, args.temperature, args.dtype)
     drafter = load_drafter(args.export, args.target)
     layers = cfg["dflash_config"]["target_layer_ids"]
