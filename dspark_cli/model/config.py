@@ -46,6 +46,7 @@ class DrafterConfig:
     markov_rank: int = ModelSettings.markov_rank
     enable_confidence_head: bool = ModelSettings.enable_confidence_head
     confidence_head_with_markov: bool = ModelSettings.confidence_head_with_markov
+    tie_k_norm: bool = ModelSettings.tie_k_norm
 
     def __post_init__(self) -> None:
         self.validate()
@@ -121,7 +122,8 @@ class DrafterConfig:
             target_layer_ids=list(layers),
             mask_token_id=int(mask_token_id),
             **{k: ms[k] for k in ("num_draft_layers", "block_size", "block_convention", "markov_head_type",
-                                  "markov_rank", "enable_confidence_head", "confidence_head_with_markov")
+                                  "markov_rank", "enable_confidence_head", "confidence_head_with_markov",
+                                  "tie_k_norm")
                if k in ms},
         )
 

