@@ -27,7 +27,7 @@ from torch import nn
 
 from ..model.drafter import DSparkDrafter
 from .blocks import PackedBatch
-from .vocab_fast import VocabWorkspace, fast_vocab_terms
+from .vocab_fast import Packed, VocabWorkspace, fast_vocab_terms
 
 
 @dataclass
@@ -191,7 +191,7 @@ class _ChunkedVocab(torch.autograd.Function):
         return grad_hidden, grad_z, grad_w2, None, None, None, None, None, None, None, None
 
 
-def _fast_chunks(ws: VocabWorkspace, head_t: torch.Tensor, w2_t: torch.Tensor | None, hidden: torch.Tensor,
+def _fast_chunks(ws: VocabWorkspace, head: Packed, w2_packed: Packed | None, hidden: torch.Tensor,
                  z: torch.Tensor | None, z_index: torch.Tensor | None, target_hidden: torch.Tensor,
                  labels: torch.Tensor, weight: torch.Tensor, ce_coef: float, tv_coef: float, chunk: int,
                  need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
@@ -210,8 +210,9 @@ def _fast_chunks(ws: VocabWorkspace, head_t: torch.Tensor, w2_t: torch.Tensor | 
         if z_index is not None:  # the chunk's own distinct tokens, so its buffers stay chunk-sized
             tokens, zi = torch.unique(z_index[sl].reshape(-1), return_inverse=True)
             zc = z.detach()[tokens]
-        ce, tv, cs, grads = fast_vocab_terms(ws, head_t, w2_t, hidden[sl].detach(), zc, zi, target_hidden[sl],
-                                             labels[sl], weight[sl], ce_coef, tv_coef, need_grad)
+        ce, tv, cs, grads = fast_vocab_terms(ws, head, w2_packed, hidden[sl].detach(), zc, zi,
+                                             target_hidden[sl], labels[sl], weight[sl], ce_coef, tv_coef,
+                                             need_grad)
         if need_grad:
             grad_hidden[sl] = grads[0]
             if z is not None:
@@ -231,10 +232,10 @@ class _FastVocab(torch.autograd.Function):
     """`_ChunkedVocab` through `_fast_chunks`: the same objective and outputs, fewer FLOPs."""
 
     @staticmethod
-    def forward(ctx, hidden, z, markov_w2, ws, head_t, w2_t, z_index, target_hidden, labels, weight, ce_coef,
-                tv_coef, chunk):
+    def forward(ctx, hidden, z, markov_w2, ws, head, w2_packed, z_index, target_hidden, labels, weight,
+                ce_coef, tv_coef, chunk):
         ce_sum, tv_sum, c_star, (grad_hidden, grad_z, grad_w2) = _fast_chunks(
-            ws, head_t, w2_t, hidden, z, z_index, target_hidden, labels, weight, ce_coef, tv_coef, chunk,
+            ws, head, w2_packed, hidden, z, z_index, target_hidden, labels, weight, ce_coef, tv_coef, chunk,
             need_grad=True)
         ctx.has_z = z is not None
         if ctx.has_z:
@@ -300,15 +301,15 @@ class DrafterLoss(nn.Module):
         else:
             z = d.markov_head.features(prev, hidden) if d.markov_head is not None else None  # [N, γ, r]
         if fast:
-            head_t = self.workspace.head_t(d.lm_head.weight, compute_dtype(hidden.device.type) or
-                                           d.lm_head.weight.dtype)
-            w2_t = w2.detach().t().to(head_t.dtype).contiguous() if w2 is not None else None
+            head = self.workspace.head(d.lm_head.weight, compute_dtype(hidden.device.type) or
+                                       d.lm_head.weight.dtype)
+            w2_packed = Packed(w2, head.dtype) if w2 is not None else None  # W2 moves every step
             rest = (z_index, batch.target_hidden, batch.labels, weight, w.ce, w.tv, step)
             if torch.is_grad_enabled():
                 vocab_objective, ce_sum, tv_sum, c_star = _FastVocab.apply(
-                    hidden, z, w2, self.workspace, head_t, w2_t, *rest)
+                    hidden, z, w2, self.workspace, head, w2_packed, *rest)
             else:
-                ce_sum, tv_sum, c_star, _ = _fast_chunks(self.workspace, head_t, w2_t, hidden, z, *rest,
+                ce_sum, tv_sum, c_star, _ = _fast_chunks(self.workspace, head, w2_packed, hidden, z, *rest,
                                                          need_grad=False)
                 vocab_objective = w.ce * ce_sum + w.tv * tv_sum
         elif reference:  # the autograd reference
