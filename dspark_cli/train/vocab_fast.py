@@ -80,13 +80,15 @@ class VocabWorkspace:
             self._head_key = key
         return self._head
 
-    def buffer(self, name: str, rows: int, cols: int, dtype: torch.dtype,
-               device: torch.device) -> torch.Tensor:
-        """A [rows, cols] view of a named buffer that only ever grows (contents undefined)."""
+    def buffer(self, name: str, rows: int, cols: int, dtype: torch.dtype, device: torch.device,
+               reserve_rows: int = 0) -> torch.Tensor:
+        """A [rows, cols] view of a named buffer that only ever grows (contents undefined); a new
+        one holds max(rows, reserve_rows) rows, so a chunk with more distinct rows than the last
+        does not allocate (and fault in) a fresh one."""
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < rows * cols or buf.dtype != dtype or buf.device != device:
             self._buffers.pop(name, None)
-            buf = torch.empty(rows * cols, dtype=dtype, device=device)
+            buf = torch.empty(max(rows, reserve_rows) * cols, dtype=dtype, device=device)
             self._buffers[name] = buf
         return buf[:rows * cols].view(rows, cols)
 
@@ -147,7 +149,7 @@ def fast_vocab_terms(ws: VocabWorkspace, head: Packed, w2: Packed | None,
     if z is not None and z_index is None:
         ws.mm_into(p, zc.reshape(rows, -1), w2.forward_operand(), accumulate=True)
     elif z is not None:  # vanilla: W2·z once per distinct token, gathered onto the rows
-        bias = ws.buffer("q", zc.shape[0], vocab, _F32, device)
+        bias = ws.buffer("q", zc.shape[0], vocab, _F32, device, reserve_rows=rows)
         ws.mm_into(bias, zc, w2.forward_operand())
         p.add_(torch.index_select(bias, 0, z_index, out=ws.buffer("s", rows, vocab, _F32, device)))
     picked = p.gather(-1, labels)
@@ -157,7 +159,7 @@ def fast_vocab_terms(ws: VocabWorkspace, head: Packed, w2: Packed | None,
     p.div_(total)
     ce = (top + total.log() - picked).squeeze(-1)  # −log p[y]
     states, state_index = torch.unique(target_hidden.reshape(rows, -1), dim=0, return_inverse=True)
-    q = ws.buffer("q", states.shape[0], vocab, _F32, device)
+    q = ws.buffer("q", states.shape[0], vocab, _F32, device, reserve_rows=rows)
     ws.mm_into(q, states.to(cdt), head.forward_operand())
     _softmax_(q)
     diff = torch.index_select(q, 0, state_index, out=ws.buffer("s", rows, vocab, _F32, device))
@@ -184,7 +186,7 @@ def fast_vocab_terms(ws: VocabWorkspace, head: Packed, w2: Packed | None,
         grad_z = torch.mm(g, w2.backward_operand()).view(n, gamma, -1).to(z.dtype)
         return ce_sum, tv_sum, c_star, (grad_hidden, grad_z, torch.mm(g.t(), zr))
     # vanilla: the rows' gradients summed per distinct token (what the embedding's backward does)
-    per_token = ws.buffer("q", zc.shape[0], vocab, _F32, device)  # p_t is spent by now
+    per_token = ws.buffer("q", zc.shape[0], vocab, _F32, device, reserve_rows=rows)  # p_t is spent
     per_token.zero_().index_add_(0, z_index, grad)
     gt = ws.narrow(per_token, cdt)
     return ce_sum, tv_sum, c_star, (grad_hidden, torch.mm(gt, w2.backward_operand()).to(z.dtype),
