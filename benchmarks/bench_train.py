@@ -1,7 +1,7 @@
 """Training throughput of a SmolLM2-135M-sized drafter: train.fast_kernels on vs off, in one run.
 
     .venv/bin/python -m benchmarks.bench_train [--draft-layers 2] [--steps 2] [--threads 2]
-        [--precision bf16] [--paths fast,earlier] [--chunks 64]
+        [--precision auto] [--paths fast,earlier] [--chunks 64]
 
 Shapes are SmolLM2-135M's (vocab 49152, hidden 576, 9 heads / 3 KV heads, head dim 64,
 intermediate 1536, 30 target layers, tied embeddings); γ = 7 and 512 anchors per sample. The
@@ -135,8 +135,9 @@ def main() -> None:
     parser.add_argument("--draft-layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
-                        help="bf16 autocast (the demo's setting) or fp32")
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="bf16 autocast (the demo's setting), fp32, or auto: bf16 where the CPU has "
+                             "native bf16 (AVX512-BF16/AMX), else fp32")
     parser.add_argument("--paths", default="fast,earlier",
                         help="train.fast_kernels settings to compare: fast (true), earlier (false)")
     parser.add_argument("--chunks", default="64", help="loss_chunk_blocks settings to compare (0 = off)")
@@ -147,6 +148,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child(args)
+    if args.precision == "auto":  # without native bf16 PyTorch's bf16 gemms run at ~1-8 GFLOP/s
+        import torch
+
+        args.precision = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
+        print(f"precision auto: {args.precision} (native bf16 matmuls: "
+              f"{'yes' if args.precision == 'bf16' else 'no'})", flush=True)
     print(f"bench-train: SmolLM2-135M-sized drafter (V={VOCAB}, d={HIDDEN}, {HEADS}/{KV_HEADS} heads), "
           f"γ={GAMMA}, {ANCHORS} anchors of a {SEQ}-token sample, {args.draft_layers} draft layer(s), "
           f"{args.steps} timed step(s) after 1 warm-up, {args.threads} thread(s), {args.precision}; random "
