@@ -14,6 +14,8 @@ the Markov features and W2), its tensors are freed, and the rest of the graph (b
 confidence head on c*) runs one ordinary backward. The chunk's gradient is written out by hand
 (`_fused_vocab_terms`: a few in-place passes, no autograd temporaries); chunk_blocks = 0 keeps
 everything in one autograd graph through `_vocab_terms`, the reference the tests compare with.
+With train.fast_kernels (the default) the chunks go through `vocab_fast.fast_vocab_terms` instead:
+the same terms with target rows and vanilla Markov biases once per distinct state/token.
 """
 
 from __future__ import annotations
