@@ -1,13 +1,17 @@
-"""Training throughput and peak memory of a SmolLM2-135M-sized drafter, chunked loss on vs off.
+"""Training throughput of a SmolLM2-135M-sized drafter: train.fast_kernels on vs off, in one run.
 
-    .venv/bin/python -m benchmarks.bench_train [--draft-layers 1] [--steps 1] [--threads 2]
+    .venv/bin/python -m benchmarks.bench_train [--draft-layers 2] [--steps 2] [--threads 2]
+        [--precision auto] [--paths fast,earlier] [--chunks 64]
 
 Shapes are SmolLM2-135M's (vocab 49152, hidden 576, 9 heads / 3 KV heads, head dim 64,
 intermediate 1536, 30 target layers, tied embeddings); γ = 7 and 512 anchors per sample. The
 target's embedding is random (only its shape matters for speed and memory), written as a
 safetensors folder that holds just the embedding and config.json; the cached features are random
 bf16 tensors of a 1024-token sample. Each setting runs in a fresh process, so its peak RSS
-(ru_maxrss) is its own; we report the peak and the growth over the process's size after setup.
+(ru_maxrss) is its own. Per setting: optimizer steps per second, and the FLOP/s achieved, its
+FLOPs counted by FlopCounterMode on the warm-up step (matmuls; CPU SDPA is not counted), beside
+the machine's peak: a 2048 × 2048 matmul in the step's precision, timed in the same run.
+`--chunks 64,0` adds the unchunked loss (peak memory of chunking vs not).
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from dspark_cli.model.attention import dense_mask
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dspark_cli.model.attention import step_mask
     from dspark_cli.model.config import DrafterConfig
     from dspark_cli.model.drafter import DSparkDrafter
     from dspark_cli.model.frozen import attach_frozen
@@ -72,67 +78,120 @@ def child(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     drafter = DSparkDrafter(config)
     attach_frozen(drafter, args.target)
-    module = DrafterLoss(drafter, LossWeights(), chunk_blocks=args.chunk)
+    fast = args.path == "fast"
+    module = DrafterLoss(drafter, LossWeights(), chunk_blocks=args.chunk, fast_kernels=fast)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
     anchors = sample_anchors(loss_mask, ANCHORS, anchor_generator(0, 0, 0))
     batch = pack([sample], [anchors], config)
-    mask = dense_mask(batch.layout)
     setup_mb = rss_mb()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
 
     def step() -> float:
-        loss, _ = module(batch, mask)
+        mask = step_mask(batch.layout, flex=False, split=fast)  # the trainer makes one per step
+        with autocast:
+            loss, _ = module(batch, mask)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(loss)
 
-    step()  # warm-up (allocator, optimizer state)
+    with FlopCounterMode(display=False) as counter:
+        first_loss = step()  # warm-up (allocator, optimizer state, packed weights) and the FLOP count
+    flops = counter.get_total_flops()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         loss = step()
     elapsed = time.perf_counter() - t0
     slots = batch.num_blocks * GAMMA * args.steps
-    print(json.dumps({"chunk_blocks": args.chunk, "anchors": batch.num_blocks, "gamma": GAMMA,
-                      "draft_layers": args.draft_layers, "threads": args.threads, "steps": args.steps,
+    print(json.dumps({"path": args.path, "chunk_blocks": args.chunk, "anchors": batch.num_blocks,
+                      "gamma": GAMMA, "draft_layers": args.draft_layers, "threads": args.threads,
+                      "steps": args.steps, "precision": args.precision, "flops_per_step": flops,
+                      "steps_per_s": args.steps / elapsed,
+                      "achieved_tflops": flops * args.steps / elapsed / 1e12,
                       "anchor_slots_per_s": slots / elapsed, "seconds_per_step": elapsed / args.steps,
-                      "setup_rss_mb": setup_mb, "peak_rss_mb": rss_mb(), "loss": loss}))
+                      "setup_rss_mb": setup_mb, "peak_rss_mb": rss_mb(), "first_loss": first_loss,
+                      "loss": loss}))
+
+
+def peak_tflops(threads: int, precision: str) -> float:
+    """The best of a few 2048 × 2048 matmuls in the step's precision: this machine's attainable peak."""
+    import torch
+
+    torch.set_num_threads(threads)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+    out = torch.empty(2048, 2048, dtype=dtype)
+    torch.mm(a, b, out=out)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=out)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 2048 ** 3 / best / 1e12
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--draft-layers", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--draft-layers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--chunks", default="64,0", help="loss_chunk_blocks settings to compare (0 = off)")
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="bf16 autocast (the demo's setting), fp32, or auto: bf16 where the CPU has "
+                             "native bf16 (AVX512-BF16/AMX), else fp32")
+    parser.add_argument("--paths", default="fast,earlier",
+                        help="train.fast_kernels settings to compare: fast (true), earlier (false)")
+    parser.add_argument("--chunks", default="64", help="loss_chunk_blocks settings to compare (0 = off)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--path", default="fast", help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, default=64, help=argparse.SUPPRESS)
     parser.add_argument("--target", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args)
+    if args.precision == "auto":  # without native bf16 PyTorch's bf16 gemms run at ~1-8 GFLOP/s
+        import torch
+
+        args.precision = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
+        print(f"precision auto: {args.precision} (native bf16 matmuls: "
+              f"{'yes' if args.precision == 'bf16' else 'no'})", flush=True)
     print(f"bench-train: SmolLM2-135M-sized drafter (V={VOCAB}, d={HIDDEN}, {HEADS}/{KV_HEADS} heads), "
           f"γ={GAMMA}, {ANCHORS} anchors of a {SEQ}-token sample, {args.draft_layers} draft layer(s), "
-          f"{args.steps} timed step(s) after 1 warm-up, {args.threads} thread(s); random target weights "
-          f"of SmolLM2's shape; each setting in a fresh process.", flush=True)
+          f"{args.steps} timed step(s) after 1 warm-up, {args.threads} thread(s), {args.precision}; random "
+          f"target weights of SmolLM2's shape; each setting in a fresh process.", flush=True)
+    peak = peak_tflops(args.threads, args.precision)
+    print(f"  peak: {peak:.3f} TFLOP/s ({args.precision} 2048 × 2048 matmul, {args.threads} thread(s))",
+          flush=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         make_target(Path(tmp))
-        for chunk in (int(c) for c in args.chunks.split(",")):
-            cmd = [sys.executable, __file__, "--child", "--chunk", str(chunk), "--target", tmp,
-                   "--draft-layers", str(args.draft_layers), "--steps", str(args.steps),
-                   "--threads", str(args.threads)]
-            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            if proc.returncode != 0:
-                sys.exit(f"setting chunk={chunk} failed:\n{proc.stderr[-3000:]}")
-            r = json.loads(proc.stdout.strip().splitlines()[-1])
-            results.append(r)
-            label = f"chunk {chunk} blocks" if chunk else "no chunking"
-            print(f"  {label:>16}: {r['anchor_slots_per_s']:8.0f} anchor-slots/s  "
-                  f"({r['seconds_per_step']:.1f} s/step)  peak RSS {r['peak_rss_mb']:7.0f} MB  "
-                  f"(+{r['peak_rss_mb'] - r['setup_rss_mb']:.0f} MB over setup {r['setup_rss_mb']:.0f} MB)  "
-                  f"loss {r['loss']:.4f}", flush=True)
-    by = {r["chunk_blocks"]: r for r in results}
+        for path in args.paths.split(","):
+            for chunk in (int(c) for c in args.chunks.split(",")):
+                cmd = [sys.executable, __file__, "--child", "--path", path, "--chunk", str(chunk),
+                       "--target", tmp, "--draft-layers", str(args.draft_layers), "--steps", str(args.steps),
+                       "--threads", str(args.threads), "--precision", args.precision]
+                env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                if proc.returncode != 0:
+                    sys.exit(f"setting {path} chunk={chunk} failed:\n{proc.stderr[-3000:]}")
+                r = json.loads(proc.stdout.strip().splitlines()[-1])
+                results.append(r)
+                tag = "" if path == "fast" else f"[{path}]"
+                chunking = f"chunk {chunk} blocks" if chunk else "no chunking"
+                print(f"bench-train{tag} steps_per_s={r['steps_per_s']:.4f} achieved_tflops="
+                      f"{r['achieved_tflops']:.4f} peak_tflops={peak:.4f}", flush=True)
+                print(f"  fast_kernels={'true' if path == 'fast' else 'false'}, {chunking}: "
+                      f"{r['seconds_per_step']:.2f} s/step, {r['flops_per_step'] / 1e9:.0f} GFLOP/step "
+                      f"(FlopCounterMode), {r['anchor_slots_per_s']:.0f} anchor-slots/s, peak RSS "
+                      f"{r['peak_rss_mb']:.0f} MB (+{r['peak_rss_mb'] - r['setup_rss_mb']:.0f} over setup), "
+                      f"loss {r['first_loss']:.4f} → {r['loss']:.4f}", flush=True)
+    runs = {(r["path"], r["chunk_blocks"]): r for r in results}
+    for chunk in (int(c) for c in args.chunks.split(",")):
+        fast, earlier = runs.get(("fast", chunk)), runs.get(("earlier", chunk))
+        if fast and earlier:
+            print(f"bench-train speedup={fast['steps_per_s'] / earlier['steps_per_s']:.2f}x steps/s "
+                  f"(fast_kernels true vs false, chunk {chunk}; goal ≥ 2x); first-step loss "
+                  f"{fast['first_loss']:.5f} vs {earlier['first_loss']:.5f}")
+    by = {r["chunk_blocks"]: r for r in results if r["path"] == results[0]["path"]}
     if 0 in by and len(by) > 1:
         off = by[0]
         for chunk, r in by.items():

@@ -1,7 +1,9 @@
-# Drafter training benchmark (docs/train.md): throughput and peak memory, chunked loss on vs off.
+# Drafter training benchmark (docs/train.md): steps/s and achieved vs peak FLOP/s of
+# train.fast_kernels on vs off (the earlier path), same shapes, same run; bf16 autocast where the
+# CPU has native bf16 (AMX/AVX512-BF16), fp32 elsewhere (PyTorch's bf16 fallback gemm is ~10x slower).
 .PHONY: bench-train
 bench-train: install
-	$(BIN)/python -m benchmarks.bench_train --draft-layers 1 --steps 1 --threads 2
+	$(BIN)/python -m benchmarks.bench_train --draft-layers 2 --steps 2 --threads 2 --precision auto
 
 # Online training (the target in the loop) vs from the cache on SmolLM2 and the demo's responses
 # (docs/train.md): s/step, peak memory, τ of both drafters, break-even epochs. Builds what is missing.

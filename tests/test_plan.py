@@ -36,7 +36,8 @@ def real_step(c: DrafterConfig, chunk: int = 16):
     batch = synthetic_micro_batch(c, SAMPLES, num_anchors=48)
     batch.context_hidden.normal_()
     batch.target_hidden.normal_()
-    return drafter, batch, DrafterLoss(drafter, LossWeights(), chunk)
+    # the plan counts the full vocabulary-wide work: fast_kernels' savings depend on the data
+    return drafter, batch, DrafterLoss(drafter, LossWeights(), chunk, fast_kernels=False)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -171,6 +171,25 @@ def test_a_run_from_before_the_bias_refit_is_refused_with_the_key_that_keeps_it(
     assert "detach_confidence_inputs=false" not in (back.value.hint or "")
 
 
+def test_fast_kernels_is_speed_only_same_losses_same_run(tiny_qwen3_target, samples, memory_url):
+    """train.fast_kernels changes how the loss is computed, not what: the same losses step by step,
+    the same stage config (a run made either way is reused by the other), the same weight names."""
+    sets = sets_for(tiny_qwen3_target, "train.max_steps=3", "train.eval_samples=0")
+    fast_url, earlier_url = storage.join(memory_url, "fast"), storage.join(memory_url, "earlier-kernels")
+    fast = train(load_config(None, sets), "features://tiny", fast_url, dataset=samples).manifest
+    earlier = train(load_config(None, [*sets, "train.fast_kernels=false"]), "features://tiny", earlier_url,
+                    dataset=samples).manifest
+    assert "fast_kernels" not in fast["config"]["train"] and fast["config"] == earlier["config"]
+    for a, b in zip(metrics(fast_url), metrics(earlier_url), strict=True):
+        assert a["step"] == b["step"]
+        for key in ("loss", "ce", "tv", "conf_bce", "accepted_length"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    assert train(load_config(None, sets), "features://tiny", earlier_url, dataset=samples).done
+    names = [st_load(storage.read_bytes(storage.join(url, "export", "model.safetensors"))).keys()
+             for url in (fast_url, earlier_url)]
+    assert sorted(names[0]) == sorted(names[1])
+
+
 def test_the_final_norm_gets_its_own_lr_only_when_scaled(tiny_qwen3_target):
     from fixtures.drafter import drafter_config
 

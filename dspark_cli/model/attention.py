@@ -44,6 +44,61 @@ def dense_mask(layout: BlockLayout) -> torch.Tensor:
     return allowed(layout, q[:, None], k[None, :])
 
 
+@dataclass
+class SplitMask:
+    """The dense rule of a packed step, split where it is sparse (CPU, train.fast_kernels).
+
+    A block key is visible only to its own block's queries, so the dense [Q, C + Q] mask is
+    almost all False and SDPA spends Q·(C + Q) on it. Here `context` [Q, C] says which context
+    keys each query sees, and each query sees the `block` slots of its own block (queries and
+    block keys come in the same consecutive blocks of `block`, as `pack` lays them out):
+    Q·(C + block) instead.
+    """
+
+    context: torch.Tensor  # bool [Q, C]
+    block: int
+
+
+def split_mask(layout: BlockLayout) -> SplitMask | torch.Tensor:
+    """`SplitMask` of a layout whose block keys and queries come in consecutive equal blocks
+    (every packed step); the dense mask for any other layout."""
+    n_ctx = int((layout.key_block < 0).sum())
+    queries = layout.query_block.numel()
+    blocks = int(layout.query_block.max()) + 1 if queries else 0
+    size = queries // blocks if blocks else 0
+    ids = torch.arange(blocks, device=layout.query_block.device).repeat_interleave(size)
+    if (not blocks or size * blocks != queries or not torch.equal(layout.query_block, ids)
+            or not torch.equal(layout.key_block[n_ctx:], ids) or bool((layout.key_block[:n_ctx] >= 0).any())):
+        return dense_mask(layout)
+    q = torch.arange(queries, device=ids.device)
+    k = torch.arange(n_ctx, device=ids.device)
+    return SplitMask(allowed(layout, q[:, None], k[None, :]), size)
+
+
+def attend_split(query: torch.Tensor, ctx_kv: tuple[torch.Tensor, torch.Tensor],
+                 block_kv: tuple[torch.Tensor, torch.Tensor], mask: SplitMask) -> torch.Tensor:
+    """`attend` under a SplitMask: one softmax over [visible context keys; own block's keys].
+
+    query [B, H, Q, D]; ctx_kv [B, Hkv, C, D]; block_kv [B, Hkv, Q, D] (the queries' own slots).
+    Query head h reads kv head h // (H / Hkv), as repeat_interleave does. Returns [B, H, Q, D].
+    """
+    B, H, Q, D = query.shape
+    kv_heads, n = ctx_kv[0].shape[1], mask.block
+    g, N, C = H // kv_heads, Q // n, ctx_kv[0].shape[2]
+    q = query.reshape(B, kv_heads, g * Q, D) * D ** -0.5
+    s_ctx = torch.matmul(q, ctx_kv[0].transpose(-1, -2)).view(B, H, Q, C)
+    s_ctx = s_ctx.masked_fill(~mask.context, float("-inf"))
+    k_blk = block_kv[0].reshape(B, kv_heads, 1, N, n, D)
+    s_blk = torch.matmul(q.view(B, kv_heads, g, N, n, D), k_blk.transpose(-1, -2))  # [B, Hkv, g, N, n, n]
+    probs = torch.softmax(torch.cat([s_ctx, s_blk.reshape(B, H, Q, n).to(s_ctx.dtype)], dim=-1), dim=-1)
+    p_ctx, p_blk = probs.split([C, n], dim=-1)
+    v_ctx, v_blk = ctx_kv[1], block_kv[1]
+    out = torch.matmul(p_ctx.to(v_ctx.dtype).reshape(B, kv_heads, g * Q, C), v_ctx).view(B, H, Q, D)
+    p_blk = p_blk.to(v_blk.dtype).reshape(B, kv_heads, g, N, n, n)
+    out_blk = torch.matmul(p_blk, v_blk.reshape(B, kv_heads, 1, N, n, D)).reshape(B, H, Q, D)
+    return out + out_blk.to(out.dtype)
+
+
 def flex_block_mask(layout: BlockLayout):  # pragma: no cover - CUDA only
     """The same rule as a flex-attention BlockMask (sparse: skips fully masked tiles)."""
     from torch.nn.attention.flex_attention import create_block_mask
@@ -53,6 +108,14 @@ def flex_block_mask(layout: BlockLayout):  # pragma: no cover - CUDA only
 
     return create_block_mask(mask_mod, None, None, layout.query_block.numel(), layout.key_block.numel(),
                              device=layout.query_block.device)
+
+
+def step_mask(layout: BlockLayout, flex: bool, split: bool) -> object:
+    """The mask a training step passes to the drafter: a flex BlockMask (CUDA), a SplitMask
+    (train.fast_kernels) or the dense boolean mask."""
+    if flex:
+        return flex_block_mask(layout)
+    return split_mask(layout) if split else dense_mask(layout)
 
 
 _flex_compiled = None

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import attend
+from .attention import SplitMask, attend, attend_split
 from .config import DrafterConfig
 from .draw import DraftDist, draw
 from .heads import ConfidenceHead, MarkovHead
@@ -99,6 +99,10 @@ class DraftAttention(nn.Module):
         q = self.q_norm(self.q_proj(hidden).view(B, Q, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)  # [B, H, Q, D]
         k_blk, v_blk = self.kv(hidden, cos, sin)
+        if isinstance(mask, SplitMask):  # training on CPU: each block's own slots, not every block's
+            ctx = (ctx_kv[0].to(k_blk.dtype), ctx_kv[1].to(v_blk.dtype))
+            out = attend_split(q, ctx, (k_blk, v_blk), mask)
+            return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.num_heads * self.head_dim))
         k = torch.cat([ctx_kv[0].to(k_blk.dtype), k_blk], dim=2)  # [B, Hkv, C + Q, D]
         v = torch.cat([ctx_kv[1].to(v_blk.dtype), v_blk], dim=2)
         out = attend(q, k, v, mask, self.num_kv_groups)  # [B, H, Q, D]

@@ -80,7 +80,9 @@ def traced_activation_bytes(c: DrafterConfig, samples: list[tuple[int, int]], nu
                 saved.setdefault(storage._cdata, storage.nbytes())
             return t
 
-        loss = DrafterLoss(drafter, LossWeights(), chunk_blocks)
+        # fast_kernels deduplicates rows by value (data-dependent shapes, which FakeTensors
+        # cannot trace); the earlier path saves the same activations within a rank-r feature.
+        loss = DrafterLoss(drafter, LossWeights(), chunk_blocks, fast_kernels=False)
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
             autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
             with autocast:

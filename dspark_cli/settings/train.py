@@ -11,7 +11,7 @@ SOURCES = ("cache", "online")
 #: Where a fresh Markov head's W1 rows start (model/markov_init.py).
 MARKOV_INITS = ("random", "embedding")
 #: Keys that change how fast training runs, not what it computes (left out of the stage config).
-RUNTIME_KEYS = ("prefetch_batches",)
+RUNTIME_KEYS = ("prefetch_batches", "fast_kernels")
 #: Keys added after a release, with the value that reproduces it: left out of the stage config at
 #: that value, so a run of that release still resumes and is still reused.
 EARLIER_BEHAVIOUR = {"init_output_gain": 1.0, "output_norm_lr_scale": 1.0, "fit_confidence_bias": False,
@@ -52,6 +52,11 @@ class TrainSettings(Section):
     gamma_decay: float = 4.0
     #: Blocks per chunk of the vocabulary-wide loss (0: no chunking).
     loss_chunk_blocks: int = 64
+    #: The same loss with less work (train/vocab_fast.py, model/attention.py): target softmaxes and
+    #: vanilla Markov biases once per distinct state/token, a prepacked lm_head, reused buffers,
+    #: and attention over a block's own context only. false: the earlier kernels (`make
+    #: bench-train` compares both). Speed only: left out of the stage config.
+    fast_kernels: bool = True
     save_every: int = 500
     keep_last: int = 3
     log_every: int = 10

@@ -14,6 +14,8 @@ the Markov features and W2), its tensors are freed, and the rest of the graph (b
 confidence head on c*) runs one ordinary backward. The chunk's gradient is written out by hand
 (`_fused_vocab_terms`: a few in-place passes, no autograd temporaries); chunk_blocks = 0 keeps
 everything in one autograd graph through `_vocab_terms`, the reference the tests compare with.
+With train.fast_kernels (the default) the chunks go through `vocab_fast.fast_vocab_terms` instead:
+the same terms with target rows and vanilla Markov biases once per distinct state/token.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import nn
 
 from ..model.drafter import DSparkDrafter
 from .blocks import PackedBatch
+from .vocab_fast import Packed, VocabWorkspace, fast_vocab_terms
 
 
 @dataclass
@@ -190,15 +193,80 @@ class _ChunkedVocab(torch.autograd.Function):
         return grad_hidden, grad_z, grad_w2, None, None, None, None, None, None, None, None
 
 
+def _fast_chunks(ws: VocabWorkspace, head: Packed, w2_packed: Packed | None, hidden: torch.Tensor,
+                 z: torch.Tensor | None, z_index: torch.Tensor | None, target_hidden: torch.Tensor,
+                 labels: torch.Tensor, weight: torch.Tensor, ce_coef: float, tv_coef: float, chunk: int,
+                 need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+    """`_vocab_chunks` through `vocab_fast` (train.fast_kernels). z is per row [N, γ, r], or for
+    the vanilla head the batch's distinct features [U, r] with z_index [N, γ] naming each row's."""
+    grad_hidden = torch.empty_like(hidden) if need_grad else None
+    grad_z = None
+    if need_grad and z is not None:
+        grad_z = torch.zeros_like(z) if z_index is not None else torch.empty_like(z)
+    grad_w2 = None
+    ce_sum = tv_sum = hidden.new_zeros((), dtype=torch.float32)
+    c_star = []
+    for a in range(0, hidden.shape[0], chunk):
+        sl = slice(a, a + chunk)
+        zc, zi, tokens = (z[sl].detach() if z is not None else None), None, None
+        if z_index is not None:  # the chunk's own distinct tokens, so its buffers stay chunk-sized
+            tokens, zi = torch.unique(z_index[sl].reshape(-1), return_inverse=True)
+            zc = z.detach()[tokens]
+        ce, tv, cs, grads = fast_vocab_terms(ws, head, w2_packed, hidden[sl].detach(), zc, zi,
+                                             target_hidden[sl], labels[sl], weight[sl], ce_coef, tv_coef,
+                                             need_grad)
+        if need_grad:
+            grad_hidden[sl] = grads[0]
+            if z is not None:
+                if tokens is not None:
+                    grad_z.index_add_(0, tokens, grads[1])
+                else:
+                    grad_z[sl] = grads[1]
+                g = grads[2].float()
+                grad_w2 = g if grad_w2 is None else grad_w2.add_(g)
+        ce_sum, tv_sum = ce_sum + ce, tv_sum + tv
+        c_star.append(cs)
+    grads = (grad_hidden, grad_z, grad_w2) if need_grad else None
+    return ce_sum, tv_sum, torch.cat(c_star), grads
+
+
+class _FastVocab(torch.autograd.Function):
+    """`_ChunkedVocab` through `_fast_chunks`: the same objective and outputs, fewer FLOPs."""
+
+    @staticmethod
+    def forward(ctx, hidden, z, markov_w2, ws, head, w2_packed, z_index, target_hidden, labels, weight,
+                ce_coef, tv_coef, chunk):
+        ce_sum, tv_sum, c_star, (grad_hidden, grad_z, grad_w2) = _fast_chunks(
+            ws, head, w2_packed, hidden, z, z_index, target_hidden, labels, weight, ce_coef, tv_coef, chunk,
+            need_grad=True)
+        ctx.has_z = z is not None
+        if ctx.has_z:
+            grad_w2 = grad_w2.to(markov_w2.dtype)
+        ctx.save_for_backward(grad_hidden, *((grad_z, grad_w2) if ctx.has_z else ()))
+        ctx.mark_non_differentiable(ce_sum, tv_sum, c_star)
+        return ce_coef * ce_sum + tv_coef * tv_sum, ce_sum, tv_sum, c_star
+
+    @staticmethod
+    def backward(ctx, grad_objective, *_unused):
+        saved = ctx.saved_tensors
+        grad_hidden = saved[0] * grad_objective
+        grad_z = saved[1] * grad_objective if ctx.has_z else None
+        grad_w2 = saved[2] * grad_objective if ctx.has_z else None
+        return (grad_hidden, grad_z, grad_w2, *(None,) * 10)
+
+
 class DrafterLoss(nn.Module):
     """Drafter + loss in one module, so DDP wraps a single forward(batch) → (loss, stats)."""
 
     def __init__(self, drafter: DSparkDrafter, weights: LossWeights, chunk_blocks: int = 64,
-                 detach_confidence_inputs: bool = False) -> None:
+                 detach_confidence_inputs: bool = False, fast_kernels: bool = True) -> None:
         super().__init__()
         self.drafter = drafter
         self.weights = weights
         self.chunk_blocks = chunk_blocks
+        #: The vocabulary-wide terms through `vocab_fast` (train.fast_kernels); False: the fused path.
+        self.fast_kernels = fast_kernels
+        self.workspace = VocabWorkspace()
         #: The BCE reaches only the confidence head's own weights (train.detach_confidence_inputs).
         self.detach_confidence_inputs = detach_confidence_inputs
         self._head_cache: tuple[tuple, torch.Tensor] | None = None
@@ -223,11 +291,30 @@ class DrafterLoss(nn.Module):
                    batch.context_position_ids, mask)  # [N, γ, d]
         weight = slot_weights(gamma, w.gamma_decay, hidden.device) * batch.valid.float()  # [N, γ]
         prev = batch.prev_tokens
-        z = d.markov_head.features(prev, hidden) if d.markov_head is not None else None  # [N, γ, r]
         w2 = d.markov_head.markov_w2.weight if d.markov_head is not None else None
         N = hidden.shape[0]
         step = self.chunk_blocks if self.chunk_blocks > 0 else N
-        if self.chunk_blocks == 0 and torch.is_grad_enabled():  # the autograd reference
+        reference = self.chunk_blocks == 0 and torch.is_grad_enabled()
+        z_index = None
+        fast = self.fast_kernels and not reference
+        if d.markov_head is not None and d.markov_head.kind == "vanilla" and fast:
+            tokens, z_index = torch.unique(prev, return_inverse=True)  # z = W1[x]: once per token
+            z = d.markov_head.embed_prev(tokens)  # [U, r]
+        else:
+            z = d.markov_head.features(prev, hidden) if d.markov_head is not None else None  # [N, γ, r]
+        if fast:
+            head = self.workspace.head(d.lm_head.weight, compute_dtype(hidden.device.type) or
+                                       d.lm_head.weight.dtype)
+            w2_packed = Packed(w2, head.dtype) if w2 is not None else None  # W2 moves every step
+            rest = (z_index, batch.target_hidden, batch.labels, weight, w.ce, w.tv, step)
+            if torch.is_grad_enabled():
+                vocab_objective, ce_sum, tv_sum, c_star = _FastVocab.apply(
+                    hidden, z, w2, self.workspace, head, w2_packed, *rest)
+            else:
+                ce_sum, tv_sum, c_star, _ = _fast_chunks(self.workspace, head, w2_packed, hidden, z, *rest,
+                                                         need_grad=False)
+                vocab_objective = w.ce * ce_sum + w.tv * tv_sum
+        elif reference:  # the autograd reference
             ce_sum, tv_sum, c_star = _vocab_terms(d.lm_head.weight, w2, hidden, z, batch.target_hidden,
                                                   batch.labels, weight)
             vocab_objective = w.ce * ce_sum + w.tv * tv_sum

@@ -28,7 +28,7 @@ from ..config import PipelineConfig
 from ..console import console
 from ..errors import DsparkError, StageConflictError
 from ..manifest import fingerprint, prepare_stage, read_manifest
-from ..model.attention import dense_mask, flex_block_mask, use_flex
+from ..model.attention import step_mask, use_flex
 from ..model.card import refresh_card
 from ..model.config import DrafterConfig
 from ..model.drafter import DSparkDrafter
@@ -226,7 +226,8 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     drafter.to(device)
     weights = LossWeights(tc.ce_weight, tc.tv_weight, tc.conf_weight, tc.gamma_decay)
     module: torch.nn.Module = DrafterLoss(drafter, weights, tc.loss_chunk_blocks,
-                                          detach_confidence_inputs=tc.detach_confidence_inputs)
+                                          detach_confidence_inputs=tc.detach_confidence_inputs,
+                                          fast_kernels=tc.fast_kernels)
     if world.world_size > 1:
         module = torch.nn.parallel.DistributedDataParallel(
             module, device_ids=[device.index] if device.type == "cuda" else None)
@@ -269,7 +270,7 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
                 target_s += micro.target_s
                 assert micro.step == step, (micro.step, step)
                 epoch, batch = micro.epoch, micro.batch.to(device)
-                mask = flex_block_mask(batch.layout) if flex else dense_mask(batch.layout)
+                mask = step_mask(batch.layout, flex, split=tc.fast_kernels)
                 last = i == plan.accumulation - 1
                 sync = nullcontext() if (last or world.world_size == 1) else module.no_sync()
                 with sync:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..model.attention import dense_mask, flex_block_mask
+from ..model.attention import step_mask
 from ..model.config import DrafterConfig
 from ..sample import Sample
 from .data import load_batch
@@ -31,7 +31,7 @@ def evaluate(loss_module: DrafterLoss, dataset: Sequence[Sample], config: Drafte
     for start in range(0, n, micro_batch):
         indices = list(range(start, min(n, start + micro_batch)))
         batch = load_batch(dataset, indices, 0, num_anchors, seed, config).to(device)
-        mask = flex_block_mask(batch.layout) if flex else dense_mask(batch.layout)
+        mask = step_mask(batch.layout, flex, split=loss_module.fast_kernels)
         _, stats = loss_module(batch, mask, confidence_out)
         for k, v in stats.items():
             totals[k] = totals.get(k, 0) + v.float().cpu()

@@ -1,0 +1,200 @@
+"""The vocabulary-wide loss terms with fewer FLOPs and no fresh [rows, V] tensors (train.fast_kernels).
+
+Same maths as `loss._fused_vocab_terms` (CE and TV of p_d = softmax(lm_head·h + W2·z) against
+p_t = softmax(lm_head·h_t), and their hand-written gradient), computed three ways cheaper:
+
+- **Target rows once.** A block's slots j sit at positions anchor + j; with many anchors per
+  sequence most positions belong to several blocks (512 anchors of a 1024-token sample: 3.4 rows per
+  position in a chunk of sorted anchors). p_t depends only on the cached state, so it is computed
+  for the chunk's distinct states and gathered.
+- **Vanilla Markov bias once per token.** z = W1[x_{k−1}] depends only on the previous token, so
+  W2·z, ∂/∂z and ∂/∂W2 are computed for the chunk's distinct tokens (the rows' gradients summed
+  per token first, exactly what the embedding's backward would do).
+- **Prepacked, reused memory.** The frozen lm_head is kept transposed and contiguous ([d, V], a
+  plain NN product) in the matmul dtype, W2ᵀ likewise once per forward, and every [rows, V] buffer
+  is allocated once and reused by every chunk and step: on CPU a fresh vocabulary-wide tensor
+  costs page faults comparable to the product that fills it.
+
+Rounding differs from the reference only where sums are taken in another order (tests compare
+both within bf16 tolerance); train.fast_kernels = false keeps `loss._fused_vocab_terms`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_F32 = torch.float32
+
+
+def dot_layout(dtype: torch.dtype, device: torch.device) -> bool:
+    """True where a matmul is fast only with both operands contiguous along the reduced dimension:
+    bf16 on a CPU without native bf16 (AVX2), where PyTorch's fallback gemm runs ~10x slower on
+    the other layouts (measured on 2 EPYC cores: h @ Wᵀ 5.6 GFLOP/s from W [V, d], 0.48 from a
+    contiguous Wᵀ). With native bf16 (AVX512-BF16/AMX) or in fp32, oneDNN/MKL take any layout and a
+    contiguous [K, N] right operand with a reused output is the fast one."""
+    if dtype != torch.bfloat16 or device.type != "cpu":
+        return False
+    return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+class Packed:
+    """A [V, k] weight in the matmul dtype, kept in both layouts: `rows` [V, k] and `cols` [k, V],
+    each contiguous, so x @ Wᵀ and G @ W each get the layout its kernel runs fastest on."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        self.rows = weight.detach().to(dtype).contiguous()
+        self.cols = self.rows.t().contiguous()
+        self.dot = dot_layout(dtype, weight.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.rows.dtype
+
+    @property
+    def vocab(self) -> int:
+        return self.rows.shape[0]
+
+    def forward_operand(self) -> torch.Tensor:
+        """The right operand of x [n, k] @ Wᵀ → [n, V]."""
+        return self.rows.t() if self.dot else self.cols
+
+    def backward_operand(self) -> torch.Tensor:
+        """The right operand of G [n, V] @ W → [n, k]."""
+        return self.cols.t() if self.dot else self.rows
+
+
+class VocabWorkspace:
+    """The prepacked frozen head and the reused [rows, V] buffers of one DrafterLoss."""
+
+    def __init__(self) -> None:
+        self._head_key: tuple | None = None
+        self._head: Packed | None = None
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def head(self, lm_head: torch.Tensor, dtype: torch.dtype) -> Packed:
+        """The frozen lm_head packed in the matmul dtype; rebuilt only when the weight changes."""
+        key = (lm_head.data_ptr(), lm_head._version, lm_head.device, dtype)
+        if self._head_key != key:
+            self._head = None  # free the old copy before making the new one
+            self._head = Packed(lm_head, dtype)
+            self._head_key = key
+        return self._head
+
+    def buffer(self, name: str, rows: int, cols: int, dtype: torch.dtype, device: torch.device,
+               reserve_rows: int = 0) -> torch.Tensor:
+        """A [rows, cols] view of a named buffer that only ever grows (contents undefined); a new
+        one holds max(rows, reserve_rows) rows, so a chunk with more distinct rows than the last
+        does not allocate (and fault in) a fresh one."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < rows * cols or buf.dtype != dtype or buf.device != device:
+            self._buffers.pop(name, None)
+            buf = torch.empty(max(rows, reserve_rows) * cols, dtype=dtype, device=device)
+            self._buffers[name] = buf
+        return buf[:rows * cols].view(rows, cols)
+
+    def release(self) -> None:
+        """Drop the buffers (the packed head stays): e.g. before a larger, one-off evaluation."""
+        self._buffers.clear()
+
+    def mm_into(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool = False) -> None:
+        """out (float32) = a @ b, or += with accumulate. A bf16 product is rounded to bf16 before it
+        is widened, as F.linear(...).float() does, through a reused staging buffer."""
+        if a.dtype == _F32:
+            if accumulate:  # not addmm_, which FlopCounterMode does not count
+                torch.addmm(out, a, b, out=out)
+            else:
+                torch.mm(a, b, out=out)
+            return
+        stage = self.buffer("stage", out.shape[0], out.shape[1], a.dtype, out.device)
+        torch.mm(a, b, out=stage)
+        if accumulate:
+            out.add_(stage)
+        else:
+            out.copy_(stage)
+
+    def narrow(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """t in the matmul dtype; a float32 [rows, V] tensor goes through the staging buffer."""
+        if t.dtype == dtype:
+            return t
+        stage = self.buffer("stage", t.shape[0], t.shape[1], dtype, t.device)
+        return stage.copy_(t)
+
+
+def _gather_rows(source: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[i] = source[index[i]]. Through gather, not index_select: on the 2-core VM index_select's
+    per-row memcpy of [V] rows took 0.1 s or, erratically, 5–7 s for the same [448, 49152] copy;
+    gather's vectorised loop took 0.02–0.06 s every time."""
+    return torch.gather(source, 0, index[:, None].expand(out.shape), out=out)
+
+
+def _softmax_(x: torch.Tensor) -> torch.Tensor:
+    """Row softmax in place; returns x."""
+    x.sub_(x.amax(-1, keepdim=True)).exp_()
+    return x.div_(x.sum(-1, keepdim=True))
+
+
+def fast_vocab_terms(ws: VocabWorkspace, head: Packed, w2: Packed | None,
+                     hidden: torch.Tensor, z: torch.Tensor | None, z_index: torch.Tensor | None,
+                     target_hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
+                     ce_coef: float, tv_coef: float,
+                     need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+    """One chunk: (ΣwCE, ΣwTV, c* [n, γ], grads) as `loss._fused_vocab_terms` returns them.
+
+    hidden/target_hidden [n, γ, d]; z is per row [n, γ, r] (gated/RNN heads, z_index None) or, for
+    the vanilla head, the chunk's distinct features [U, r] with z_index [n·γ] naming each row's.
+    grads = (∂/∂hidden [n, γ, d], ∂/∂z shaped like z, ∂/∂W2 [V, r] in the matmul dtype).
+    """
+    n, gamma, _ = hidden.shape
+    rows, cdt, device = n * gamma, head.dtype, hidden.device
+    vocab = head.vocab
+    labels = labels.reshape(-1, 1)
+    w = weight.reshape(-1, 1).float()
+    h = hidden.reshape(rows, -1).to(cdt)
+    p = ws.buffer("p", rows, vocab, _F32, device)
+    ws.mm_into(p, h, head.forward_operand())
+    zc = z.to(cdt) if z is not None else None
+    if z is not None and z_index is None:
+        ws.mm_into(p, zc.reshape(rows, -1), w2.forward_operand(), accumulate=True)
+    elif z is not None:  # vanilla: W2·z once per distinct token, gathered onto the rows
+        bias = ws.buffer("q", zc.shape[0], vocab, _F32, device, reserve_rows=rows)
+        ws.mm_into(bias, zc, w2.forward_operand())
+        p.add_(_gather_rows(bias, z_index, ws.buffer("s", rows, vocab, _F32, device)))
+    picked = p.gather(-1, labels)
+    top = p.amax(-1, keepdim=True)
+    p.sub_(top).exp_()
+    total = p.sum(-1, keepdim=True)
+    p.div_(total)
+    ce = (top + total.log() - picked).squeeze(-1)  # −log p[y]
+    states, state_index = torch.unique(target_hidden.reshape(rows, -1), dim=0, return_inverse=True)
+    q = ws.buffer("q", states.shape[0], vocab, _F32, device, reserve_rows=rows)
+    ws.mm_into(q, states.to(cdt), head.forward_operand())
+    _softmax_(q)
+    diff = _gather_rows(q, state_index, ws.buffer("s", rows, vocab, _F32, device))
+    torch.sub(p, diff, out=diff)  # p − q
+    tv = 0.5 * torch.linalg.vector_norm(diff, ord=1, dim=-1)
+    wf = w.squeeze(-1)
+    ce_sum, tv_sum = (wf * ce).sum(), (wf * tv).sum()
+    c_star = (1.0 - tv).clamp(0.0, 1.0).view(n, gamma)
+    if not need_grad:
+        return ce_sum, tv_sum, c_star, None
+    if tv_coef != 0.0:
+        sp = diff.sign_().mul_(p)  # s·p
+        m = sp.sum(-1, keepdim=True)
+        grad = sp.mul_(0.5 * tv_coef * w).addcmul_(p, (ce_coef - 0.5 * tv_coef * m) * w)
+    else:
+        grad = p.mul_(ce_coef * w)
+    grad.scatter_add_(-1, labels, -ce_coef * w)
+    g = ws.narrow(grad, cdt)
+    grad_hidden = torch.mm(g, head.backward_operand()).view(n, gamma, -1).to(hidden.dtype)
+    if z is None:
+        return ce_sum, tv_sum, c_star, (grad_hidden, None, None)
+    if z_index is None:
+        zr = zc.reshape(rows, -1)
+        grad_z = torch.mm(g, w2.backward_operand()).view(n, gamma, -1).to(z.dtype)
+        return ce_sum, tv_sum, c_star, (grad_hidden, grad_z, torch.mm(g.t(), zr))
+    # vanilla: the rows' gradients summed per distinct token (what the embedding's backward does)
+    per_token = ws.buffer("q", zc.shape[0], vocab, _F32, device, reserve_rows=rows)  # p_t is spent
+    per_token.zero_().index_add_(0, z_index, grad)
+    gt = ws.narrow(per_token, cdt)
+    return ce_sum, tv_sum, c_star, (grad_hidden, torch.mm(gt, w2.backward_operand()).to(z.dtype),
+                                  torch.mm(gt.t(), zc))

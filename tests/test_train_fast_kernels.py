@@ -1,0 +1,124 @@
+"""train.fast_kernels: the vocabulary-wide loss through `vocab_fast` gives the loss, statistics and
+gradients of the earlier path (fast_kernels = false), for every head kind, in fp32 and bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fixtures.drafter import drafter_config, make_samples
+
+from dspark_cli.model.attention import SplitMask, dense_mask, split_mask
+from dspark_cli.model.drafter import DSparkDrafter
+from dspark_cli.model.frozen import attach_frozen
+from dspark_cli.train.anchors import anchor_generator, sample_anchors
+from dspark_cli.train.blocks import pack
+from dspark_cli.train.loss import DrafterLoss, LossWeights
+
+HEADS = [  # (markov head, confidence head, loss weights)
+    ("vanilla", True, LossWeights()),
+    ("vanilla", False, LossWeights(0.3, 0.7, 0.0)),
+    ("gated", True, LossWeights()),
+    ("gated", False, LossWeights()),
+    ("rnn", True, LossWeights()),
+    ("rnn", False, LossWeights(0.5, 0.5, 0.0)),
+    ("none", False, LossWeights(1.0, 0.0, 0.0)),  # DFlash: CE only
+]
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_qwen3_target):
+    samples = make_samples(tiny_qwen3_target, n=2)
+    config = drafter_config(tiny_qwen3_target)
+    # Many anchors per sample: blocks overlap, so states and previous tokens repeat across rows
+    # (the case the fast path deduplicates), and chunks of 3 blocks split repeats across chunks.
+    anchors = [sample_anchors(s.loss_mask, 12, anchor_generator(0, 0, i)) for i, s in enumerate(samples)]
+    return pack(samples, anchors, config)
+
+
+def run(drafter, batch, weights, fast: bool, bf16: bool, chunk: int = 3):
+    drafter.zero_grad(set_to_none=True)
+    module = DrafterLoss(drafter, weights, chunk_blocks=chunk, fast_kernels=fast)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
+    with ctx:
+        loss, stats = module(batch, dense_mask(batch.layout))
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in drafter.named_parameters() if p.grad is not None}
+    return loss.detach(), stats, grads
+
+
+@pytest.mark.parametrize("head,confidence,weights", HEADS,
+                         ids=[f"{h}-{'conf' if c else 'noconf'}" for h, c, _ in HEADS])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_fast_kernels_match_the_earlier_path(tiny_qwen3_target, batch, head, confidence, weights, bf16):
+    torch.manual_seed(1)
+    drafter = DSparkDrafter(drafter_config(tiny_qwen3_target, markov_head_type=head,
+                                           enable_confidence_head=confidence))
+    attach_frozen(drafter, str(tiny_qwen3_target))
+    if drafter.markov_head is not None:
+        torch.nn.init.normal_(drafter.markov_head.markov_w2.weight, std=0.3)
+    # the case this path exists for: rows that share a target state or a previous token
+    states = batch.target_hidden.reshape(-1, batch.target_hidden.shape[-1])
+    assert torch.unique(states, dim=0).shape[0] < states.shape[0]
+    ref_loss, ref_stats, ref_grads = run(drafter, batch, weights, fast=False, bf16=bf16)
+    loss, stats, grads = run(drafter, batch, weights, fast=True, bf16=bf16)
+    tol = 2e-2 if bf16 else 1e-5  # bf16: sums rounded in another order
+    assert abs(float(loss) - float(ref_loss)) <= tol * abs(float(ref_loss))
+    for k in ("ce", "tv", "conf_bce", "slot_accept_sum", "slot_survive_sum", "slot_count"):
+        assert torch.allclose(stats[k], ref_stats[k], rtol=tol, atol=tol), k
+    assert grads.keys() == ref_grads.keys() and grads
+    assert any(float(g.abs().sum()) > 0 for g in ref_grads.values())
+    for k, ref in ref_grads.items():
+        scale = float(ref.norm())
+        assert float((grads[k] - ref).norm()) <= (5e-2 if bf16 else 1e-4) * scale + 1e-7, k
+
+
+def test_fast_kernels_unchunked_and_without_grad(tiny_qwen3_target, batch):
+    """chunk 0 under no_grad (the held-out pass) and one chunk of every block give the same figures."""
+    torch.manual_seed(1)
+    drafter = DSparkDrafter(drafter_config(tiny_qwen3_target))
+    attach_frozen(drafter, str(tiny_qwen3_target))
+    torch.nn.init.normal_(drafter.markov_head.markov_w2.weight, std=0.3)
+    mask = dense_mask(batch.layout)
+    with torch.no_grad():
+        ref, ref_stats = DrafterLoss(drafter, LossWeights(), chunk_blocks=0, fast_kernels=False)(batch, mask)
+        fast, stats = DrafterLoss(drafter, LossWeights(), chunk_blocks=0)(batch, mask)
+    assert torch.allclose(fast, ref, atol=1e-5)
+    assert torch.allclose(stats["slot_accept_sum"], ref_stats["slot_accept_sum"], atol=1e-4)
+    one, _, g_one = run(drafter, batch, LossWeights(), fast=True, bf16=False, chunk=batch.num_blocks)
+    three, _, g_three = run(drafter, batch, LossWeights(), fast=True, bf16=False, chunk=3)
+    assert torch.allclose(one, three, atol=1e-6)
+    for k in g_one:
+        assert torch.allclose(g_one[k], g_three[k], atol=1e-6, rtol=1e-4), k
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_split_attention_equals_the_dense_mask(tiny_qwen3_target, batch, bf16):
+    """Attention over each block's own slots and its visible context gives the states (and the
+    gradients) of SDPA under the dense [Q, C + Q] mask."""
+    torch.manual_seed(2)
+    drafter = DSparkDrafter(drafter_config(tiny_qwen3_target))  # GQA: 4 query heads on 2 kv heads
+    assert drafter.config.num_attention_heads > drafter.config.num_key_value_heads
+    split = split_mask(batch.layout)
+    assert isinstance(split, SplitMask) and split.block == drafter.config.block_inputs
+    out = {}
+    for name, mask in (("dense", dense_mask(batch.layout)), ("split", split)):
+        drafter.zero_grad(set_to_none=True)
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
+        with ctx:
+            h = drafter(batch.block_input_ids, batch.block_position_ids, batch.context_hidden,
+                        batch.context_position_ids, mask)
+        (h.float() * torch.linspace(-1, 1, h.shape[-1])).sum().backward()
+        out[name] = (h.detach().float(), {k: p.grad.clone() for k, p in drafter.named_parameters()
+                                          if p.grad is not None})
+    (h_dense, g_dense), (h_split, g_split) = out["dense"], out["split"]
+    tol = 3e-2 if bf16 else 1e-5
+    assert torch.allclose(h_split, h_dense, atol=tol, rtol=tol)
+    assert g_split.keys() == g_dense.keys()
+    for k in g_dense:
+        assert float((g_split[k] - g_dense[k]).norm()) <= tol * float(g_dense[k].norm()) + 1e-6, k
+
+
+def test_a_layout_that_is_not_block_by_block_keeps_the_dense_mask(batch):
+    layout = batch.layout
+    shuffled = type(layout)(**{**layout.__dict__, "query_block": layout.query_block.flip(0)})
+    assert isinstance(split_mask(shuffled), torch.Tensor)
