@@ -9,7 +9,10 @@
 # when the interpreter lacks them. Steps, each timed, all on the tiny fixture target:
 #   1. the CUDA-only tests (flex attention vs SDPA: tests/test_model_drafter.py -k flex);
 #   2. a bf16 training step on CUDA (the real trainer, 4 steps, precision bf16, export at the end);
-#   3. `dspark cache build` on CUDA;  4. `dspark eval` on CUDA;  5. `dspark profile` on the GPU.
+#   3. `dspark cache build` on CUDA;  4. `dspark eval` on CUDA;  5. `dspark profile` on the GPU;
+#   6. the trainer on a Qwen3-4B-shaped drafter at real width (pipelines/qwen3-4b.toml's settings,
+#      random target embedding and features; benchmarks/gpu_train_step.py), and the rehearsal's
+#      train stage (`make rehearse`'s benchmarks/rehearse.py) when that script is present.
 # Figures land in $OUT (default runs/gpu-check) and are printed as `gpu-check: <step> <seconds> s`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -62,4 +65,14 @@ step "eval" "$PY" -m dspark_cli.cli eval --target "$T" --drafter "$OUT/train" --
 step "profile" "$PY" -m dspark_cli.cli profile --target "$T" --device $DEVICE --dtype bfloat16 \
   --batch-tokens 1,4,16,64,256 -o "$OUT/profile" --force
 "$PY" -m dspark_cli.cli export check "$OUT/train/export" --sps "$OUT/profile/sps.json" || true
+# Real width: 5 draft layers × 2560, vocab 151,936, 512 anchors, 2048-token samples, bf16 (CPU: shrunk).
+if [ "$DEVICE" = cpu ]; then
+  step "train-qwen3-4b-shape" "$PY" -m benchmarks.gpu_train_step --out "$OUT/qwen3-4b" --device cpu \
+    --draft-layers 1 --length 128 --anchors 8 --steps 2 --global-batch 2
+else
+  step "train-qwen3-4b-shape" "$PY" -m benchmarks.gpu_train_step --out "$OUT/qwen3-4b" --device cuda
+fi
+if [ -f benchmarks/rehearse.py ]; then
+  step "rehearse-train" "$PY" -m benchmarks.rehearse --stages train --device "$DEVICE"
+fi
 echo "gpu-check: done; figures in $OUT (times.txt, eval/report.json, profile/sps.json)"
