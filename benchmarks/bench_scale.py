@@ -314,9 +314,9 @@ def main() -> None:
                         help="prepare, regen, train (cache + start-up)")
     parser.add_argument("--work", default=str(ROOT / "runs" / "bench-scale"))
     parser.add_argument("--prepare-rows", default="100000,400000,1420909")
-    parser.add_argument("--regen-prompts", default="50000,200000")
+    parser.add_argument("--regen-prompts", default="20000,200000")
     parser.add_argument("--regen-concurrency", type=int, default=64)
-    parser.add_argument("--cache-samples", default="25000,100000")
+    parser.add_argument("--cache-samples", default="20000,100000")
     parser.add_argument("--keep", action="store_true", help="keep the generated files and outputs")
     parser.add_argument("--train-child", nargs=3, metavar=("CACHE", "OUTPUT", "TARGET"),
                         help=argparse.SUPPRESS)
