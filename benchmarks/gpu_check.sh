@@ -7,9 +7,13 @@
 # PyTorch (CUDA build) and Transformers are expected on the machine; the rest of dspark's
 # dependencies come from $WHEELS (`pip download -d wheels -r <(pip freeze)` on a networked machine)
 # when the interpreter lacks them. Steps, each timed, all on the tiny fixture target:
-#   1. the CUDA-only tests (flex attention vs SDPA: tests/test_model_drafter.py -k flex);
+#   1. the CUDA-only tests (flex attention vs SDPA: tests/test_model_drafter.py -k flex, and
+#      tests/test_attention_flex.py with its slow compiled variant);
 #   2. a bf16 training step on CUDA (the real trainer, 4 steps, precision bf16, export at the end);
-#   3. `dspark cache build` on CUDA;  4. `dspark eval` on CUDA;  5. `dspark profile` on the GPU.
+#   3. `dspark cache build` on CUDA;  4. `dspark eval` on CUDA;  5. `dspark profile` on the GPU;
+#   6. the trainer on a Qwen3-4B-shaped drafter at real width (pipelines/qwen3-4b.toml's settings,
+#      random target embedding and features; benchmarks/gpu_train_step.py), and the rehearsal's
+#      train stage on the cache `make rehearse` left in runs/rehearse (skipped when absent).
 # Figures land in $OUT (default runs/gpu-check) and are printed as `gpu-check: <step> <seconds> s`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,7 +34,7 @@ PYEOF
 mkdir -p "$OUT"
 step() { local name=$1; shift; local t0; t0=$(date +%s); "$@"; echo "gpu-check: $name $(( $(date +%s) - t0 )) s" | tee -a "$OUT/times.txt"; }
 
-[ "$DEVICE" = cpu ] || step "cuda-tests" "$PY" -m pytest -q tests/test_model_drafter.py -k flex -p no:cacheprovider
+[ "$DEVICE" = cpu ] || step "cuda-tests" "$PY" -m pytest -q -m "" tests/test_attention_flex.py tests/test_model_drafter.py -k flex -p no:cacheprovider
 
 # The tiny target, its own answers as a responses artifact, and a prompt file (the fixtures' code).
 "$PY" - "$OUT" <<'PYEOF'
@@ -62,4 +66,21 @@ step "eval" "$PY" -m dspark_cli.cli eval --target "$T" --drafter "$OUT/train" --
 step "profile" "$PY" -m dspark_cli.cli profile --target "$T" --device $DEVICE --dtype bfloat16 \
   --batch-tokens 1,4,16,64,256 -o "$OUT/profile" --force
 "$PY" -m dspark_cli.cli export check "$OUT/train/export" --sps "$OUT/profile/sps.json" || true
+# Real width: 5 draft layers × 2560, vocab 151,936, 512 anchors, 2048-token samples, bf16 (CPU: shrunk).
+if [ "$DEVICE" = cpu ]; then
+  step "train-qwen3-4b-shape" "$PY" -m benchmarks.gpu_train_step --out "$OUT/qwen3-4b" --device cpu \
+    --draft-layers 1 --length 128 --anchors 8 --steps 2 --global-batch 2
+else
+  step "train-qwen3-4b-shape" "$PY" -m benchmarks.gpu_train_step --out "$OUT/qwen3-4b" --device cuda
+fi
+# The rehearsal's own train step (Qwen3-4B-shaped target, its cache from `make rehearse`) on the device.
+RH=runs/rehearse
+if [ -f "$RH/cache/manifest.json" ]; then
+  step "rehearse-train" "$PY" -m dspark_cli.cli train -c pipelines/qwen3-4b.toml --cache "$RH/cache" \
+    --output "$OUT/rehearse-train" --max-steps 2 --device "$DEVICE" --force \
+    "--set=pipeline.work_dir='$RH'" "--set=target.model='$RH/target'" \
+    --set=train.global_batch=2 --set=train.micro_batch=1 --set=train.save_every=100000
+else
+  echo "gpu-check: rehearse-train skipped (no $RH/cache: run \`make rehearse\` first)"
+fi
 echo "gpu-check: done; figures in $OUT (times.txt, eval/report.json, profile/sps.json)"

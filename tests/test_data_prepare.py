@@ -263,3 +263,45 @@ def test_hub_reader_streams_a_datasets_repo(tmp_path):
     assert conv.messages == [{"role": "user", "content": "q3"}] and conv.source == "gsm8k"
     with pytest.raises(DsparkError, match="could not load Hugging Face dataset"):
         sources.read_hub(str(repo), "no-such-split")
+
+
+def test_seen_keys_match_a_dict_across_merges():
+    """The compact de-duplication set answers as a dict would, before and after its merges."""
+    import random
+
+    from dspark_cli.data.seen import SeenKeys, key64
+
+    rng = random.Random(0)
+    seen, ref = SeenKeys(values=True, pending_limit=7), {}
+    for i in range(500):
+        key = rng.getrandbits(64) if i % 3 else key64(f"id-{i % 40}")  # repeats, and keys ≥ 2^63
+        if key not in ref:
+            ref[key] = i
+            seen.add(key, i)
+        assert seen.get(key) == ref[key] and key in seen
+    assert len(seen) == len(ref)
+    assert all(seen.get(k) == v for k, v in ref.items())
+    assert seen.get(rng.getrandbits(64)) is None and 2**64 - 1 not in seen
+    plain = SeenKeys(pending_limit=2)
+    plain.add(5)
+    plain.add(2**63 + 1)
+    assert 5 in plain and 2**63 + 1 in plain and 6 not in plain and plain.get(5) == 0
+
+
+def test_streamed_reads_keep_line_numbers_for_crlf_cr_bom_and_gzip(tmp_path):
+    """Files are read line by line now: CRLF, bare-CR and BOM files, gzipped or not, give the same
+    rows and the same line numbers as a whole-file `splitlines` did."""
+    import gzip
+
+    from dspark_cli.data import sources
+
+    lines = [json.dumps({"turns": [f"question {i}"]}).encode() for i in range(4)]
+    body = b"\xef\xbb\xbf" + lines[0] + b"\r\n\r\n" + lines[1] + b"\r{broken\n" + lines[2] + b"\n" + lines[3]
+    (tmp_path / "a.jsonl").write_bytes(body)
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(body))
+    whole = [i + 1 for i, line in enumerate(body[3:].splitlines()) if line.strip()]  # the old numbering
+    for name in ("a.jsonl", "b.jsonl.gz"):
+        rows = list(sources.read_local(str(tmp_path / name)))
+        assert [r.index for r in rows] == whole == [1, 3, 4, 5, 6]
+        assert [r.error is None for r in rows] == [True, True, False, True, True]
+        assert rows[0].row == {"turns": ["question 0"]} and "undecodable JSON" in rows[2].error

@@ -108,6 +108,56 @@ def write_table(url: str, rows: list[dict[str, Any]], schema: pa.Schema) -> None
     storage.write_bytes(url, table_bytes(rows, schema))
 
 
+class SpooledTable:
+    """Rows appended one at a time, written as one Parquet file at `commit`, in bounded memory:
+    every `group_rows` rows become a row group of a local temporary file, which `commit` copies to
+    its URL atomically (quarantine files can be as long as their input)."""
+
+    def __init__(self, schema: pa.Schema, group_rows: int = 4096) -> None:
+        import tempfile
+
+        self.schema, self.group_rows = schema, group_rows
+        self.num_rows = 0
+        self.first: dict[str, Any] | None = None
+        self._rows: list[dict[str, Any]] = []
+        self._file = tempfile.TemporaryFile()
+        self._writer = pq.ParquetWriter(self._file, schema, compression="zstd")
+
+    def append(self, row: dict[str, Any]) -> None:
+        if self.first is None:
+            self.first = row
+        self._rows.append(row)
+        self.num_rows += 1
+        if len(self._rows) >= self.group_rows:
+            self._write_group()
+
+    def _write_group(self) -> None:
+        if self._rows:
+            try:
+                self._writer.write_table(pa.Table.from_pylist(self._rows, schema=self.schema))
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+                raise DsparkError(f"rows do not fit the Parquet schema: {e}") from e
+            self._rows.clear()
+
+    def commit(self, url: str) -> None:
+        """Write the whole file to url (temporary name, then rename; one PUT on object stores)."""
+        import shutil
+
+        self._write_group()
+        self._writer.close()
+        self._file.flush()
+        self._file.seek(0)
+        with storage.atomic_open(url, "wb") as out:
+            shutil.copyfileobj(self._file, out, 1 << 20)
+        self.close()
+
+    def close(self) -> None:
+        """Drop the temporary file (after commit, or instead of it when the run failed)."""
+        if not self._file.closed:
+            self._writer.close()  # a no-op once committed
+            self._file.close()
+
+
 def read_table(url: str, columns: list[str] | None = None) -> pa.Table:
     """One whole shard, decoded on this thread. `pq.read_table` starts Arrow's worker pools (even
     with use_threads=False), and a process that exits soon after (an error right after reading)

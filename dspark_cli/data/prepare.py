@@ -5,8 +5,11 @@
 
 Streams the input once: each row is normalised (or quarantined with a reason), exact-duplicate
 prompts are dropped, the split is a seeded hash of the id, and rows are written in shards of
-`data.shard_rows`. Shards are written whole under temporary names; `manifest.json` is written last,
-so a killed run is simply redone (the output is a pure function of input and config).
+`data.shard_rows`. Memory stays flat with the input's size: files are read line by line (Parquet
+batch by batch), duplicates are found through 64-bit keys (`seen.SeenKeys`, ~24 bytes a row) and
+quarantined rows are spooled to a temporary file. Shards are written whole under temporary names;
+`manifest.json` is written last, so a killed run is simply redone (the output is a pure function of
+input and config).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from ..errors import DsparkError
 from ..stage import StageResult, already_done, completed
 from . import io, sources
 from .formats import RowError, normalise
+from .seen import SeenKeys, key64
 
 STAGE = "data.prepare"
 QUARANTINE_NAME = "quarantine.parquet"
@@ -66,15 +70,23 @@ def prepare(cfg: PipelineConfig, output_url: str | None = None, force: bool = Fa
 def _write(cfg: PipelineConfig, output_url: str, run: manifest.StageRun, input_names: list[str],
            raw_rows: Iterator[sources.RawRow]) -> StageResult:
     """Stream, normalise, dedupe, split and write; the manifest last."""
+    quarantine = io.SpooledTable(io.QUARANTINE_SCHEMA)
+    try:
+        return _stream(cfg, output_url, run, input_names, raw_rows, quarantine)
+    finally:
+        quarantine.close()
+
+
+def _stream(cfg: PipelineConfig, output_url: str, run: manifest.StageRun, input_names: list[str],
+            raw_rows: Iterator[sources.RawRow], quarantine: io.SpooledTable) -> StageResult:
     data = cfg.data
     storage.clean_temporaries(output_url)
     data_url = storage.join(output_url, io.DATA_DIR)
     storage.remove(data_url)  # a resumed prepare is redone from the start: it is quick and pure
 
     started = time.time()
-    seen_prompts: set[bytes] = set()
-    seen_ids: dict[str, int] = {}
-    quarantine: list[dict[str, Any]] = []
+    seen_prompts = SeenKeys()  # first 8 bytes of the prompt's sha256
+    seen_ids = SeenKeys(values=True)  # key64(id) → the input row it was first seen at
     reasons: Counter[str] = Counter()
     splits: Counter[str] = Counter()
     buffer: list[dict[str, Any]] = []
@@ -102,19 +114,21 @@ def _write(cfg: PipelineConfig, output_url: str, run: manifest.StageRun, input_n
             reasons[e.kind] += 1
             continue
         prompt_hash = conv.prompt_hash()
-        key = bytes.fromhex(prompt_hash)[:16]
+        key = int(prompt_hash[:16], 16)
         if key in seen_prompts:
             counts["duplicates"] += 1
             continue
         sample_id = conv.source_id or f"h{prompt_hash[:24]}"
-        if sample_id in seen_ids:
+        id_key = key64(sample_id)
+        first_row = seen_ids.get(id_key)
+        if first_row is not None:
             raw.raw = raw.raw or _raw_text(raw.row)
             quarantine.append(_quarantine(raw, f"duplicate id {sample_id!r} with a different prompt "
-                                               f"(first seen at row {seen_ids[sample_id]})"))
+                                               f"(first seen at row {first_row})"))
             reasons["duplicate id"] += 1
             continue
         seen_prompts.add(key)
-        seen_ids[sample_id] = raw.index
+        seen_ids.add(id_key, raw.index)
         split = split_of(sample_id, data.seed, data.val_fraction)
         splits[split] += 1
         buffer.append({
@@ -130,13 +144,13 @@ def _write(cfg: PipelineConfig, output_url: str, run: manifest.StageRun, input_n
     flush()
     if counts["rows"] == 0:
         # Nothing is written (no quarantine file either): the line carries the first bad row.
-        example = (f"; e.g. {quarantine[0]['input']} row {quarantine[0]['row']}: "
-                   f"{quarantine[0]['reason'][:160]}") if quarantine else ""
-        raise DsparkError(f"data.source '{data.source}': no usable conversation ({len(quarantine)} rows "
+        first = quarantine.first
+        example = f"; e.g. {first['input']} row {first['row']}: {first['reason'][:160]}" if first else ""
+        raise DsparkError(f"data.source '{data.source}': no usable conversation ({quarantine.num_rows} rows "
                           f"unusable, {counts['duplicates']} duplicates{example}).",
                           hint="rows need ShareGPT 'conversations', OpenAI 'messages' or 'turns'.")
-    io.write_table(storage.join(output_url, QUARANTINE_NAME), quarantine, io.QUARANTINE_SCHEMA)
-    counts["quarantined"] = len(quarantine)
+    quarantine.commit(storage.join(output_url, QUARANTINE_NAME))
+    counts["quarantined"] = quarantine.num_rows
     counts["train"] = splits["train"]
     counts["validation"] = splits["validation"]
     counts["quarantine_reasons"] = dict(reasons.most_common())

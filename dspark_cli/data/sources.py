@@ -11,7 +11,7 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from .. import storage
 from ..errors import DsparkError, reading
@@ -90,30 +90,40 @@ def _snippet(text: str | bytes, limit: int = 500) -> str:
     return text[:limit]
 
 
-def _lines(url: str, data: bytes) -> Iterator[RawRow]:
-    data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 BOM (Windows editors) is not row 1's text
-    for i, line in enumerate(data.splitlines()):
-        if not line.strip():
-            continue
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            yield RawRow(url, i + 1, error=f"line {i + 1}: not valid UTF-8 ({e.reason})",
-                         error_kind="not UTF-8", raw=_snippet(line))
-            continue
-        try:
-            yield RawRow(url, i + 1, row=json.loads(text), raw="")
-        except json.JSONDecodeError as e:
-            yield RawRow(url, i + 1, error=f"line {i + 1}: undecodable JSON ({e.msg})",
-                         error_kind="undecodable JSON", raw=_snippet(text))
+def _lines(url: str, lines: Iterator[bytes]) -> Iterator[RawRow]:
+    """JSON Lines from an iterator of raw lines (one file, streamed: memory does not grow with it).
+    Numbering is `bytes.splitlines`'s: a bare CR ends a line too."""
+    number = 0
+    for chunk in lines:
+        if number == 0:
+            chunk = chunk.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 BOM (Windows editors) is not row 1's text
+        for line in chunk.splitlines() if b"\r" in chunk else (chunk.rstrip(b"\n"),):
+            number += 1
+            if not line.strip():
+                continue
+            yield _line_row(url, number, line)
+
+
+def _line_row(url: str, number: int, line: bytes) -> RawRow:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return RawRow(url, number, error=f"line {number}: not valid UTF-8 ({e.reason})",
+                      error_kind="not UTF-8", raw=_snippet(line))
+    try:
+        return RawRow(url, number, row=json.loads(text), raw="")
+    except json.JSONDecodeError as e:
+        return RawRow(url, number, error=f"line {number}: undecodable JSON ({e.msg})",
+                      error_kind="undecodable JSON", raw=_snippet(text))
 
 
 def _json_records(url: str, data: bytes) -> Iterator[RawRow]:
-    """A .json file: one array of rows (or an object holding one), else treated as JSON Lines."""
+    """A .json file: one array of rows (or an object holding one), else treated as JSON Lines.
+    A JSON document is parsed whole (use JSON Lines or Parquet for data sets larger than memory)."""
     try:
         obj = json.loads(data.decode("utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError):
-        yield from _lines(url, data)
+        yield from _lines(url, iter(data.splitlines(keepends=True)))
         return
     if isinstance(obj, dict):
         lists = [v for v in obj.values() if isinstance(v, list)]
@@ -125,35 +135,44 @@ def _json_records(url: str, data: bytes) -> Iterator[RawRow]:
         yield RawRow(url, i, row=row)
 
 
-def _parquet_records(url: str, data: bytes) -> Iterator[RawRow]:
+#: Rows decoded per Parquet batch: bounded memory whatever the file's row groups.
+PARQUET_BATCH_ROWS = 4096
+
+
+def _parquet_records(url: str, f: IO[bytes]) -> Iterator[RawRow]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        parquet = pq.ParquetFile(pa.BufferReader(data))
-    except Exception as e:  # noqa: BLE001 - any pyarrow failure means the same thing here
+        parquet = pq.ParquetFile(f)
+    except (pa.ArrowInvalid, OSError) as e:
         raise DsparkError(f"{url}: not a readable Parquet file ({e}).") from e
     index = 0
-    for batch in parquet.iter_batches(batch_size=4096, use_threads=False):  # see io.read_table
+    for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, use_threads=False):  # see io.read_table
         for row in batch.to_pylist():
             yield RawRow(url, index, row=row)
             index += 1
 
 
 def read_local(url: str) -> Iterator[RawRow]:
-    data = storage.read_bytes(url)
-    if url.endswith(".gz"):
-        import gzip
-
-        with reading(url, ()):
-            data = gzip.decompress(data)
+    """The rows of one local/remote file, streamed (JSON Lines line by line, Parquet batch by batch,
+    a .gz decompressed as it is read); only a .json document is read whole."""
+    if not storage.exists(url):
+        raise DsparkError(f"{url}: file not found.")
+    fs, path = storage.url_to_fs(url)
     name = url.removesuffix(".gz")
-    if name.endswith(".parquet"):
-        yield from _parquet_records(url, data)
-    elif name.endswith(".json"):
-        yield from _json_records(url, data)
-    else:
-        yield from _lines(url, data)
+    with reading(url, ()), fs.open(path, "rb") as raw:
+        f: IO[bytes] = raw
+        if url.endswith(".gz"):
+            import gzip
+
+            f = gzip.GzipFile(fileobj=raw, mode="rb")
+        if name.endswith(".parquet"):
+            yield from _parquet_records(url, f)
+        elif name.endswith(".json"):
+            yield from _json_records(url, f.read())
+        else:
+            yield from _lines(url, iter(f))
 
 
 def _hub_error(dataset_id: str, split: str, e: Exception) -> DsparkError:

@@ -110,8 +110,16 @@ class ResponseStore:
         Pruning rewrites each error shard whole; a kill midway leaves stale records that the view
         still hides, so this is safe to interrupt and to repeat.
         """
-        columns = ["id", "prompt_tokens", "completion_tokens"]
-        ok = [row for _i, row in io.iter_dir_rows(self.data_url, columns)]
+        # The answered rows are counted shard by shard from Arrow columns, not gathered as dicts:
+        # at 200k+ responses a list of row dicts was the largest thing a regen run held.
+        ok_ids: set[str] = set()
+        responses = prompt_tokens = completion_tokens = 0
+        for shard in io.list_shards(self.data_url):
+            table = io.read_table(shard, ["id", "prompt_tokens", "completion_tokens"])
+            ok_ids.update(table.column("id").to_pylist())
+            responses += table.num_rows
+            prompt_tokens += sum(v or 0 for v in table.column("prompt_tokens").to_pylist())
+            completion_tokens += sum(v or 0 for v in table.column("completion_tokens").to_pylist())
         rejected = [row for _i, row in io.iter_dir_rows(self.rejected_url)]
         by_shard: dict[str, list[dict[str, Any]]] = {}
         recorded: list[tuple[int, dict[str, Any]]] = []
@@ -119,7 +127,7 @@ class ResponseStore:
             index = io.shard_index(storage.basename(shard)) or 0
             by_shard[shard] = io.read_table(shard).to_pylist()
             recorded += [(index, row) for row in by_shard[shard]]
-        ok_ids, rejected_ids = {r["id"] for r in ok}, {r["id"] for r in rejected}
+        rejected_ids = {r["id"] for r in rejected}
         latest = _latest(recorded, ok_ids | rejected_ids)
         for shard, rows in by_shard.items():
             index = io.shard_index(storage.basename(shard))
@@ -136,13 +144,13 @@ class ResponseStore:
         for row in rejected:
             reasons[row["reason"]] = reasons.get(row["reason"], 0) + 1
         counts = {
-            "responses": len(ok),
+            "responses": responses,
             "rejected": len(rejected),
             "rejected_truncated": reasons.get("truncated", 0),
             "rejected_empty": reasons.get("empty", 0),
             "errors": len(errors),
-            "prompt_tokens": sum(r["prompt_tokens"] for r in ok),
-            "completion_tokens": sum(r["completion_tokens"] for r in ok),
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
             "shards": len(io.list_shards(self.data_url)),
         }
         return OutputSummary(ok_ids, rejected_ids, set(latest), counts)

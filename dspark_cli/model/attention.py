@@ -4,7 +4,9 @@ Keys are laid out `[context of sample 0; context of sample 1; …; every block s
 the block slots (DESIGN.md §3). A slot of the block anchored at position p of sample s sees the
 context features of sample s at positions < p (strictly) and every slot of its own block
 (bidirectional), nothing else. On CPU the mask is a boolean tensor for SDPA (flex attention has no
-CPU backward); under CUDA the same rule is a flex-attention BlockMask.
+CPU backward); under CUDA the same rule is a flex-attention BlockMask. Both are built and compared
+on CPU by tests/test_attention_flex.py (flex's CPU forward), so only the CUDA kernels are untested
+without a GPU (`make gpu-check`).
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def attend_split(query: torch.Tensor, ctx_kv: tuple[torch.Tensor, torch.Tensor],
     return out + out_blk.to(out.dtype)
 
 
-def flex_block_mask(layout: BlockLayout):  # pragma: no cover - CUDA only
+def flex_block_mask(layout: BlockLayout):
     """The same rule as a flex-attention BlockMask (sparse: skips fully masked tiles)."""
     from torch.nn.attention.flex_attention import create_block_mask
 

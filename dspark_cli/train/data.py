@@ -50,24 +50,26 @@ class StepPlan:
         """Micro-batches per rank per optimizer step."""
         return self.global_batch // self.world_size // self.micro_batch
 
-    def order(self, epoch: int) -> list[int]:
-        """The epoch's permutation of sample indices (computed once per epoch)."""
+    def order(self, epoch: int) -> torch.Tensor:
+        """The epoch's permutation of sample indices (computed once per epoch; a tensor, 8 bytes a
+        sample, not a list: at Open-PerfectBlend's 1.4M samples a list costs ~50 MB more)."""
         cached = getattr(self, "_order", None)
         if cached is None or cached[0] != epoch:
             gen = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-            self._order = (epoch, torch.randperm(self.num_samples, generator=gen).tolist())
+            self._order = (epoch, torch.randperm(self.num_samples, generator=gen))
         return self._order[1]
 
-    def rank_indices(self, step: int) -> list[int]:
+    def rank_indices(self, step: int) -> torch.Tensor:
         """Every sample index this rank reads from `step` to the end of its epoch, in order."""
-        epoch = step // self.steps_per_epoch
-        return [i for s in range(step, (epoch + 1) * self.steps_per_epoch)
-                for mb in self.micro_batches(s)[1] for i in mb]
+        epoch, s = divmod(step, self.steps_per_epoch)
+        share = self.global_batch // self.world_size
+        steps = self.order(epoch)[:self.steps_per_epoch * self.global_batch].view(self.steps_per_epoch, -1)
+        return steps[s:, self.rank * share:(self.rank + 1) * share].reshape(-1)
 
     def micro_batches(self, step: int) -> tuple[int, list[list[int]]]:
         """(epoch, this rank's micro-batches of sample indices) for a global step."""
         epoch, s = divmod(step, self.steps_per_epoch)
-        chosen = self.order(epoch)[s * self.global_batch:(s + 1) * self.global_batch]
+        chosen = self.order(epoch)[s * self.global_batch:(s + 1) * self.global_batch].tolist()
         share = self.global_batch // self.world_size
         mine = chosen[self.rank * share:(self.rank + 1) * share]
         return epoch, [mine[i:i + self.micro_batch] for i in range(0, share, self.micro_batch)]
