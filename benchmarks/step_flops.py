@@ -38,8 +38,10 @@ def count_step(config: str, sets: list[str], cache: str, step: int = 0) -> dict:
     drafter = DSparkDrafter(dcfg)
     attach_frozen(drafter, dcfg.target_model)
     weights = LossWeights(tc.ce_weight, tc.tv_weight, tc.conf_weight, tc.gamma_decay)
+    # The plan counts the step without train.fast_kernels (whose row de-duplication has
+    # data-dependent shapes), so the check counts that same step; the fast path does fewer FLOPs.
     loss_module = DrafterLoss(drafter, weights, tc.loss_chunk_blocks,
-                              detach_confidence_inputs=tc.detach_confidence_inputs)
+                              detach_confidence_inputs=tc.detach_confidence_inputs, fast_kernels=False)
     maker = BatchMaker(dataset, plan, tc.num_anchors, tc.seed, dcfg)
     device = torch.device("cpu")
     items = list(plan_items(plan, step, step + 1))
