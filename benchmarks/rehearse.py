@@ -60,19 +60,31 @@ def shape_of(name: str) -> dict:
     return TINY if name == "tiny" else dict(KNOWN_TARGETS["Qwen/Qwen3-4B"])
 
 
+# Linux carries a process's RSS high-water mark across fork and exec, so wait4 on a child forked
+# from this (large) process reports at least this process's own RSS. A small launcher forks the
+# stage instead and hands back the stage's own figure.
+_LAUNCHER = """import os, subprocess, sys
+proc = subprocess.Popen(sys.argv[2:])
+_, status, usage = os.wait4(proc.pid, 0)
+open(sys.argv[1], "w").write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
 def run_stage(name: str, cmd: list[str], logs: Path, env: dict[str, str]) -> Stage:
-    """Run one stage process; its wall seconds and peak RSS (wait4's rusage: this child and the
-    children it waited for)."""
+    """Run one stage process; its wall seconds and its own peak RSS (wait4's rusage, taken by a
+    small launcher so that this process's RSS does not count)."""
     logs.mkdir(parents=True, exist_ok=True)
-    log = logs / f"{name}.log"
+    log, maxrss = logs / f"{name}.log", logs / f"{name}.maxrss"
+    maxrss.unlink(missing_ok=True)
     started = time.perf_counter()
     with log.open("w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    stage = Stage(name, time.perf_counter() - started, usage.ru_maxrss / 1024, proc.returncode, str(log))
+        rc = subprocess.call([sys.executable, "-c", _LAUNCHER, str(maxrss), *cmd], cwd=REPO, env=env,
+                             stdout=f, stderr=subprocess.STDOUT)
+    peak_kb = int(maxrss.read_text()) if maxrss.exists() else 0
+    stage = Stage(name, time.perf_counter() - started, peak_kb / 1024, rc, str(log))
     verdict = "" if stage.rc == 0 else f" FAILED rc={stage.rc} (log {log})"
     print(f"rehearse {name} seconds={stage.seconds:.1f} peak_rss_mb={stage.peak_rss_mb:.0f}{verdict}",
           flush=True)

@@ -289,7 +289,8 @@ def test_probe_fails_fast_with_one_line(tmp_path, fixture_server):
                           str(tmp_path / "r4"), "--endpoint", fixture_server.url, "--model", "nope"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert "error: model 'nope' is not served by" in res.stderr and "hint: pass --model" in res.stderr
+    assert "error: model 'nope' is not served by" in res.stderr
+    assert "as --model (regen.model in a config)" in res.stderr
 
 
 @pytest.mark.parametrize("where", ["memory", "s3"])
