@@ -79,6 +79,10 @@ def child(args: argparse.Namespace) -> None:
     drafter = DSparkDrafter(config)
     attach_frozen(drafter, args.target)
     fast = args.path == "fast"
+    if fast:  # as the trainer does under train.fast_kernels on CPU
+        from dspark_cli.train.host_memory import keep_freed_memory
+
+        keep_freed_memory()
     module = DrafterLoss(drafter, LossWeights(), chunk_blocks=args.chunk, fast_kernels=fast)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
     anchors = sample_anchors(loss_mask, ANCHORS, anchor_generator(0, 0, 0))

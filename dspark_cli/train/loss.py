@@ -200,10 +200,10 @@ def _fast_chunks(ws: VocabWorkspace, head: Packed, w2_packed: Packed | None, hid
     """`_vocab_chunks` through `vocab_fast` (train.fast_kernels). z is per row [N, γ, r], or for
     the vanilla head the batch's distinct features [U, r] with z_index [N, γ] naming each row's."""
     grad_hidden = torch.empty_like(hidden) if need_grad else None
-    grad_z = None
+    grad_z = grad_w2 = None
     if need_grad and z is not None:
         grad_z = torch.zeros_like(z) if z_index is not None else torch.empty_like(z)
-    grad_w2 = None
+        grad_w2 = torch.zeros(w2_packed.rows.shape, dtype=torch.float32, device=hidden.device)
     ce_sum = tv_sum = hidden.new_zeros((), dtype=torch.float32)
     c_star = []
     for a in range(0, hidden.shape[0], chunk):
@@ -214,7 +214,7 @@ def _fast_chunks(ws: VocabWorkspace, head: Packed, w2_packed: Packed | None, hid
             zc = z.detach()[tokens]
         ce, tv, cs, grads = fast_vocab_terms(ws, head, w2_packed, hidden[sl].detach(), zc, zi,
                                              target_hidden[sl], labels[sl], weight[sl], ce_coef, tv_coef,
-                                             need_grad)
+                                             need_grad, grad_w2)
         if need_grad:
             grad_hidden[sl] = grads[0]
             if z is not None:
@@ -222,8 +222,6 @@ def _fast_chunks(ws: VocabWorkspace, head: Packed, w2_packed: Packed | None, hid
                     grad_z.index_add_(0, tokens, grads[1])
                 else:
                     grad_z[sl] = grads[1]
-                g = grads[2].float()
-                grad_w2 = g if grad_w2 is None else grad_w2.add_(g)
         ce_sum, tv_sum = ce_sum + ce, tv_sum + tv
         c_star.append(cs)
     grads = (grad_hidden, grad_z, grad_w2) if need_grad else None
@@ -305,7 +303,7 @@ class DrafterLoss(nn.Module):
         if fast:
             head = self.workspace.head(d.lm_head.weight, compute_dtype(hidden.device.type) or
                                        d.lm_head.weight.dtype)
-            w2_packed = Packed(w2, head.dtype) if w2 is not None else None  # W2 moves every step
+            w2_packed = self.workspace.markov(w2, head.dtype) if w2 is not None else None
             rest = (z_index, batch.target_hidden, batch.labels, weight, w.ce, w.tv, step)
             if torch.is_grad_enabled():
                 vocab_objective, ce_sum, tv_sum, c_star = _FastVocab.apply(

@@ -46,6 +46,7 @@ from ..target.layers import agree_layers, resolve_layers
 from . import checkpoint as ckpt
 from .confidence_bias import flatten_slots, held_out_shift
 from .data import BatchMaker, StepPlan, plan_items
+from .host_memory import keep_freed_memory
 from .loss import DrafterLoss, LossWeights, summarize
 from .metrics import MetricsLog
 from .prefetch import Prefetcher
@@ -224,6 +225,8 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
 
     drafter = drafter or build_drafter()
     drafter.to(device)
+    if tc.fast_kernels and device.type == "cpu":
+        keep_freed_memory()
     weights = LossWeights(tc.ce_weight, tc.tv_weight, tc.conf_weight, tc.gamma_decay)
     module: torch.nn.Module = DrafterLoss(drafter, weights, tc.loss_chunk_blocks,
                                           detach_confidence_inputs=tc.detach_confidence_inputs,

@@ -38,12 +38,14 @@ def dot_layout(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class Packed:
-    """A [V, k] weight in the matmul dtype, kept in both layouts: `rows` [V, k] and `cols` [k, V],
-    each contiguous, so x @ Wᵀ and G @ W each get the layout its kernel runs fastest on."""
+    """A [V, k] weight in the matmul dtype: `rows` [V, k] contiguous and, for a frozen weight,
+    `cols` [k, V] contiguous too, so x @ Wᵀ and G @ W each get the layout its kernel runs fastest
+    on. A weight that changes every step (W2) keeps `rows` only (`transposed=False`): its
+    transposing copy cost more than the layout saves (bf16 [49152, 256]: 17 ms against 1 ms)."""
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, transposed: bool = True) -> None:
         self.rows = weight.detach().to(dtype).contiguous()
-        self.cols = self.rows.t().contiguous()
+        self.cols = self.rows.t().contiguous() if transposed else None
         self.dot = dot_layout(dtype, weight.device)
 
     @property
@@ -54,13 +56,20 @@ class Packed:
     def vocab(self) -> int:
         return self.rows.shape[0]
 
+    def refresh(self, weight: torch.Tensor) -> Packed:
+        """Copy `weight`'s new values into the same memory (no fresh allocation); returns self."""
+        self.rows.copy_(weight.detach())
+        if self.cols is not None:
+            self.cols.copy_(self.rows.t())
+        return self
+
     def forward_operand(self) -> torch.Tensor:
         """The right operand of x [n, k] @ Wᵀ → [n, V]."""
-        return self.rows.t() if self.dot else self.cols
+        return self.rows.t() if self.dot or self.cols is None else self.cols
 
     def backward_operand(self) -> torch.Tensor:
         """The right operand of G [n, V] @ W → [n, k]."""
-        return self.cols.t() if self.dot else self.rows
+        return self.cols.t() if self.dot and self.cols is not None else self.rows
 
 
 class VocabWorkspace:
@@ -69,6 +78,7 @@ class VocabWorkspace:
     def __init__(self) -> None:
         self._head_key: tuple | None = None
         self._head: Packed | None = None
+        self._markov: Packed | None = None
         self._buffers: dict[str, torch.Tensor] = {}
 
     def head(self, lm_head: torch.Tensor, dtype: torch.dtype) -> Packed:
@@ -79,6 +89,15 @@ class VocabWorkspace:
             self._head = Packed(lm_head, dtype)
             self._head_key = key
         return self._head
+
+    def markov(self, w2: torch.Tensor, dtype: torch.dtype) -> Packed:
+        """W2 [V, r] in the matmul dtype, copied into the same memory every step (it is trained)."""
+        packed = self._markov
+        if (packed is None or packed.rows.shape != w2.shape or packed.dtype != dtype
+                or packed.rows.device != w2.device):
+            self._markov = packed = Packed(w2, dtype, transposed=False)
+            return packed
+        return packed.refresh(w2)
 
     def buffer(self, name: str, rows: int, cols: int, dtype: torch.dtype, device: torch.device,
                reserve_rows: int = 0) -> torch.Tensor:
@@ -96,21 +115,22 @@ class VocabWorkspace:
         """Drop the buffers (the packed head stays): e.g. before a larger, one-off evaluation."""
         self._buffers.clear()
 
-    def mm_into(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool = False) -> None:
+    def mm_into(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool = False,
+                stage: str = "stage") -> None:
         """out (float32) = a @ b, or += with accumulate. A bf16 product is rounded to bf16 before it
-        is widened, as F.linear(...).float() does, through a reused staging buffer."""
+        is widened, as F.linear(...).float() does, through the reused staging buffer `stage`."""
         if a.dtype == _F32:
             if accumulate:  # not addmm_, which FlopCounterMode does not count
                 torch.addmm(out, a, b, out=out)
             else:
                 torch.mm(a, b, out=out)
             return
-        stage = self.buffer("stage", out.shape[0], out.shape[1], a.dtype, out.device)
-        torch.mm(a, b, out=stage)
+        staged = self.buffer(stage, out.shape[0], out.shape[1], a.dtype, out.device)
+        torch.mm(a, b, out=staged)
         if accumulate:
-            out.add_(stage)
+            out.add_(staged)
         else:
-            out.copy_(stage)
+            out.copy_(staged)
 
     def narrow(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """t in the matmul dtype; a float32 [rows, V] tensor goes through the staging buffer."""
@@ -136,13 +156,16 @@ def _softmax_(x: torch.Tensor) -> torch.Tensor:
 def fast_vocab_terms(ws: VocabWorkspace, head: Packed, w2: Packed | None,
                      hidden: torch.Tensor, z: torch.Tensor | None, z_index: torch.Tensor | None,
                      target_hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
-                     ce_coef: float, tv_coef: float,
-                     need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+                     ce_coef: float, tv_coef: float, need_grad: bool,
+                     grad_w2: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
     """One chunk: (ΣwCE, ΣwTV, c* [n, γ], grads) as `loss._fused_vocab_terms` returns them.
 
     hidden/target_hidden [n, γ, d]; z is per row [n, γ, r] (gated/RNN heads, z_index None) or, for
     the vanilla head, the chunk's distinct features [U, r] with z_index [n·γ] naming each row's.
-    grads = (∂/∂hidden [n, γ, d], ∂/∂z shaped like z, ∂/∂W2 [V, r] in the matmul dtype).
+    grads = (∂/∂hidden [n, γ, d], ∂/∂z shaped like z). ∂/∂W2 [V, r] is added into `grad_w2`
+    (float32, every chunk into the same tensor: a fresh [V, r] product per chunk cost more in page
+    faults than its multiplication).
     """
     n, gamma, _ = hidden.shape
     rows, cdt, device = n * gamma, head.dtype, hidden.device
@@ -187,14 +210,15 @@ def fast_vocab_terms(ws: VocabWorkspace, head: Packed, w2: Packed | None,
     g = ws.narrow(grad, cdt)
     grad_hidden = torch.mm(g, head.backward_operand()).view(n, gamma, -1).to(hidden.dtype)
     if z is None:
-        return ce_sum, tv_sum, c_star, (grad_hidden, None, None)
+        return ce_sum, tv_sum, c_star, (grad_hidden, None)
     if z_index is None:
         zr = zc.reshape(rows, -1)
         grad_z = torch.mm(g, w2.backward_operand()).view(n, gamma, -1).to(z.dtype)
-        return ce_sum, tv_sum, c_star, (grad_hidden, grad_z, torch.mm(g.t(), zr))
+        ws.mm_into(grad_w2, g.t(), zr, accumulate=True, stage="stage_w2")
+        return ce_sum, tv_sum, c_star, (grad_hidden, grad_z)
     # vanilla: the rows' gradients summed per distinct token (what the embedding's backward does)
     per_token = ws.buffer("q", zc.shape[0], vocab, _F32, device, reserve_rows=rows)  # p_t is spent
     per_token.zero_().index_add_(0, z_index, grad)
     gt = ws.narrow(per_token, cdt)
-    return ce_sum, tv_sum, c_star, (grad_hidden, torch.mm(gt, w2.backward_operand()).to(z.dtype),
-                                  torch.mm(gt.t(), zc))
+    ws.mm_into(grad_w2, gt.t(), zc, accumulate=True, stage="stage_w2")
+    return ce_sum, tv_sum, c_star, (grad_hidden, torch.mm(gt, w2.backward_operand()).to(z.dtype))
