@@ -84,7 +84,8 @@ def child(args: argparse.Namespace) -> None:
 
         keep_freed_memory()
     module = DrafterLoss(drafter, LossWeights(), chunk_blocks=args.chunk, fast_kernels=fast)
-    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4,
+                                  fused=fast or None)  # as the trainer makes it
     anchors = sample_anchors(loss_mask, ANCHORS, anchor_generator(0, 0, 0))
     batch = pack([sample], [anchors], config)
     setup_mb = rss_mb()

@@ -246,10 +246,13 @@ class _FastVocab(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_objective, *_unused):
+        # Scaled in place: the saved gradients are this graph's own and backward runs once (the
+        # trainer never retains the graph), and a fresh [V, r] product per micro-batch costs page
+        # faults as large as the multiplication.
         saved = ctx.saved_tensors
-        grad_hidden = saved[0] * grad_objective
-        grad_z = saved[1] * grad_objective if ctx.has_z else None
-        grad_w2 = saved[2] * grad_objective if ctx.has_z else None
+        grad_hidden = saved[0].mul_(grad_objective)
+        grad_z = saved[1].mul_(grad_objective) if ctx.has_z else None
+        grad_w2 = saved[2].mul_(grad_objective) if ctx.has_z else None
         return (grad_hidden, grad_z, grad_w2, *(None,) * 10)
 
 
@@ -328,7 +331,11 @@ class DrafterLoss(nn.Module):
                 vocab_objective = w.ce * ce_sum + w.tv * tv_sum
         supervised = batch.valid.float()  # [N, γ]
         if d.confidence_head is not None:
-            prev_embed = d.markov_head.embed_prev(prev) if d.markov_head is not None else None
+            prev_embed = None
+            if z_index is not None:  # W1[x] of the distinct tokens, gathered: one [V, r] backward, not two
+                prev_embed = z[z_index]
+            elif d.markov_head is not None:
+                prev_embed = d.markov_head.embed_prev(prev)
             conf_hidden = hidden
             if self.detach_confidence_inputs:
                 conf_hidden = hidden.detach()
