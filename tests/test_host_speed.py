@@ -1,5 +1,5 @@
 """Host-side speed settings that must not change results: glibc keeping freed blocks (train), and
-eager attention for CPU decoding (serve, eval)."""
+eager attention for CPU speculative decoding (eval)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_decode_attention_switches_cpu_targets_to_eager_with_the_same_logits(tin
     assert model.config._attn_implementation == "sdpa"
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     attention = torch.ones_like(ids)
-    attention[1, :4] = 0  # a left-padded row, as serve batches them
+    attention[1, :4] = 0  # a left-padded row, as batched decoding pads them
     with torch.inference_mode():
         sdpa = model(input_ids=ids, attention_mask=attention).logits
         decode_attention(model)

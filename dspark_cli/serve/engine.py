@@ -18,7 +18,7 @@ import torch
 from ..errors import DsparkError
 from ..target.capture import cache_kwarg, new_cache, stack_left_padded
 from ..target.chat import render_prompt
-from ..target.model import Target, decode_attention
+from ..target.model import Target
 from .sampling import SamplingParams, sample
 
 #: on_event(text_delta, finish_reason): finish_reason is None until the last call, then
@@ -80,7 +80,6 @@ class Engine:
                  max_model_len: int | None = None, trust_remote_code: bool = False) -> None:
         target = Target.load(model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         self.model, self.tokenizer, self.device = target.model, target.tokenizer, target.device
-        decode_attention(self.model)
         if not getattr(self.tokenizer, "chat_template", None):
             raise DsparkError(f"the tokenizer of {model_path} has no chat template.")
         config = self.model.config

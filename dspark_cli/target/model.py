@@ -64,11 +64,11 @@ def load_target(path_or_id: str, dtype: str | torch.dtype = "bfloat16", device: 
 
 
 def decode_attention(model: Any) -> None:
-    """Switch a CPU target from SDPA to eager attention for decoding (a few new tokens a step
-    against a cache). SDPA's CPU flash kernel costs more than eager's two matmuls there: on
-    SmolLM2-135M bf16, 2 cores, a 32-row step over 200 cached tokens took 233 ms with SDPA and
-    146 with eager, a 1-row 8-token verification over 300 took 72 and 64 ms, a 1-token step 57 in
-    both. Prefill-bound work (cache build) keeps SDPA. A model without the switch keeps its own."""
+    """Switch a CPU target from SDPA to eager attention for speculative decoding (one row, a few
+    new tokens a step against a cache): on SmolLM2-135M bf16, 2 cores, an 8-token verification over
+    300 cached tokens took 72 ms with SDPA's CPU flash kernel and 64 with eager, a 1-token step 57
+    in both. `dspark serve` keeps SDPA: its regen of the demo's 320 prompts took 435 s with it and
+    longer with eager. A model without the switch keeps its own."""
     config = getattr(model, "config", None)
     if (getattr(model, "device", torch.device("cpu")).type == "cpu"
             and getattr(config, "_attn_implementation", None) == "sdpa"
