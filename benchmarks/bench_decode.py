@@ -37,7 +37,7 @@ from dspark_cli.decode.stages import load_calibration
 from dspark_cli.model.export import load_drafter
 from dspark_cli.target.chat import render_prompt
 from dspark_cli.target.dtypes import torch_dtype as resolve_dtype
-from dspark_cli.target.model import decode_attention, load_target
+from dspark_cli.target.model import load_target
 
 DEMO = "runs/smollm2-135m-dspark"
 DATASETS = ["dspark_cli/resources/demo_eval_gsm8k.jsonl", "dspark_cli/resources/demo_eval_humaneval.jsonl"]
@@ -254,7 +254,6 @@ def main() -> None:
           f"T={args.temperature}, top-k {args.top_k}; load average {' '.join(load)}")
 
     model, tok = load_target(args.target, dtype=args.dtype, device="cpu")
-    decode_attention(model)  # as eval decodes
     drafter = load_drafter(args.drafter, target=args.target, dtype=resolve_dtype(args.dtype))
     temps = None
     if Path(args.calibration).exists():
@@ -271,7 +270,6 @@ def main() -> None:
         m, d = model, drafter
         if dtype != args.dtype:
             m, _ = load_target(args.target, dtype=dtype, device="cpu")
-            decode_attention(m)
             d = load_drafter(args.drafter, target=args.target, dtype=resolve_dtype(dtype))
         micros[dtype] = res = micro(args, m, d, prompt)
         k = res["draft"][args.top_k]

@@ -21,7 +21,7 @@ from ..schemas import validate
 from ..stage import StageResult, already_done, completed
 from ..target import identity
 from ..target.layers import agree_layers
-from ..target.model import Target, decode_attention
+from ..target.model import Target
 from . import plots
 from .calibrate import RoundRecords, calibration_file, cross_fit, fit_sts
 from .prompts import dataset_name, load_conversations
@@ -44,7 +44,6 @@ def load_models(cfg: PipelineConfig, target: str, drafter_url: str) -> tuple[Any
 
     say_if_unrefit(drafter_url)
     loaded = Target.from_settings(cfg.target, path=target)
-    decode_attention(loaded.model)
     # The drafter computes in the target's dtype: on CPUs with native bf16 a bf16 draft round was
     # measured 3x faster than fp32 (issue 16; bench-decode prints both).
     drafter = load_drafter(drafter_url, target=target, device=loaded.device, dtype=loaded.dtype)

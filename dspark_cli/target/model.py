@@ -63,19 +63,6 @@ def load_target(path_or_id: str, dtype: str | torch.dtype = "bfloat16", device: 
     return model, tokenizer
 
 
-def decode_attention(model: Any) -> None:
-    """Switch a CPU target from SDPA to eager attention for speculative decoding (one row, a few
-    new tokens a step against a cache): on SmolLM2-135M bf16, 2 cores, an 8-token verification over
-    300 cached tokens took 72 ms with SDPA's CPU flash kernel and 64 with eager, a 1-token step 57
-    in both. `dspark serve` keeps SDPA: its regen of the demo's 320 prompts took 435 s with it and
-    longer with eager. A model without the switch keeps its own."""
-    config = getattr(model, "config", None)
-    if (getattr(model, "device", torch.device("cpu")).type == "cpu"
-            and getattr(config, "_attn_implementation", None) == "sdpa"
-            and hasattr(model, "set_attn_implementation")):
-        model.set_attn_implementation("eager")
-
-
 @dataclass(eq=False)
 class Target:
     """A loaded target: model, tokenizer and everything derived from them, in one place."""
