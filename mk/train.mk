@@ -3,7 +3,7 @@
 # CPU has native bf16 (AMX/AVX512-BF16), fp32 elsewhere (PyTorch's bf16 fallback gemm is ~10x slower).
 .PHONY: bench-train
 bench-train: install
-	$(BIN)/python -m benchmarks.bench_train --draft-layers 2 --steps 2 --threads 2 --precision auto
+	$(BIN)/python -m benchmarks.bench_train --draft-layers 2 --steps 5 --threads 2 --precision auto
 
 # Online training (the target in the loop) vs from the cache on SmolLM2 and the demo's responses
 # (docs/train.md): s/step, peak memory, τ of both drafters, break-even epochs. Builds what is missing.
