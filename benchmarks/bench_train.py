@@ -170,7 +170,8 @@ def main() -> None:
     print(f"bench-train: SmolLM2-135M-sized drafter (V={VOCAB}, d={HIDDEN}, {HEADS}/{KV_HEADS} heads), "
           f"γ={GAMMA}, {ANCHORS} anchors of a {SEQ}-token sample, {args.draft_layers} draft layer(s), "
           f"{args.steps} timed step(s) (median) after 2 warm-ups, {args.threads} thread(s), "
-          f"{args.precision}; random target weights of SmolLM2's shape; each setting in a fresh process.", flush=True)
+          f"{args.precision}; random target weights of SmolLM2's shape; each setting in a fresh "
+          "process.", flush=True)
     peak = peak_tflops(args.threads, args.precision)
     print(f"  peak: {peak:.3f} TFLOP/s ({args.precision} 2048 × 2048 matmul, {args.threads} thread(s))",
           flush=True)
