@@ -54,8 +54,9 @@ class TrainSettings(Section):
     loss_chunk_blocks: int = 64
     #: The same loss with less work (train/vocab_fast.py, model/attention.py): target softmaxes and
     #: vanilla Markov biases once per distinct state/token, a prepacked lm_head, reused buffers,
-    #: and attention over a block's own context only. false: the earlier kernels (`make
-    #: bench-train` compares both). Speed only: left out of the stage config.
+    #: attention over a block's own context only, fused AdamW, and on CPU freed blocks kept by
+    #: glibc (train/host_memory.py). false: the earlier kernels (`make bench-train` compares both).
+    #: Speed only: left out of the stage config.
     fast_kernels: bool = True
     save_every: int = 500
     keep_last: int = 3
