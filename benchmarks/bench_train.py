@@ -113,14 +113,11 @@ def child(args: argparse.Namespace) -> None:
     # The median step: this VM's speed drifts by tens of percent between minutes, and one slow
     # step would otherwise decide the figure (the trainer runs hundreds of them).
     per_step = statistics.median(times)
-    elapsed = per_step * args.steps
-    slots = batch.num_blocks * GAMMA * args.steps
     print(json.dumps({"path": args.path, "chunk_blocks": args.chunk, "anchors": batch.num_blocks,
                       "gamma": GAMMA, "draft_layers": args.draft_layers, "threads": args.threads,
                       "steps": args.steps, "precision": args.precision, "flops_per_step": flops,
-                      "steps_per_s": args.steps / elapsed,
-                      "achieved_tflops": flops * args.steps / elapsed / 1e12,
-                      "anchor_slots_per_s": slots / elapsed, "seconds_per_step": per_step,
+                      "steps_per_s": 1 / per_step, "achieved_tflops": flops / per_step / 1e12,
+                      "anchor_slots_per_s": batch.num_blocks * GAMMA / per_step, "seconds_per_step": per_step,
                       "step_seconds": [round(t, 3) for t in times],
                       "setup_rss_mb": setup_mb, "peak_rss_mb": rss_mb(), "first_loss": first_loss,
                       "loss": loss}))

@@ -117,6 +117,17 @@ def run_prompts(server: VllmServer, prompts: list[str], temperature: float, max_
     return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds if seconds else None}
 
 
+def spec_counts(before: dict[str, float], after: dict[str, float], gamma: int
+                ) -> tuple[float, float, float, list[float]]:
+    """vLLM's speculative counters between two /metrics reads → (drafts, draft tokens, accepted
+    tokens, accepted tokens at each position 1..γ)."""
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    drafts, drafted, accepted = (delta.get(k, 0.0) for k in METRICS)
+    per_pos = [delta.get(f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{i}]", 0.0)
+               for i in range(gamma)]
+    return drafts, drafted, accepted, per_pos
+
+
 def dspark_position_counts(report: dict) -> list[int]:
     """Per position: dspark eval's rounds that accepted more than K−1 tokens, over every dataset."""
     per_dataset = [d["position_acceptance"]["accepted"] for d in report["datasets"]]
@@ -193,11 +204,8 @@ def main() -> None:
         before = metrics(server.base)
         sd = run_prompts(server, prompts, ev.temperature, ev.max_new_tokens)
         after = metrics(server.base)
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    drafts, drafted, acc = (delta.get(k, 0.0) for k in METRICS)
+    drafts, drafted, acc, pos_counts = spec_counts(before, after, gamma)
     vllm_tau = 1 + acc / drafts if drafts else float("nan")
-    pos_counts = [delta.get(f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{i}]", 0.0)
-                  for i in range(gamma)]
     per_pos = [c / drafts if drafts else float("nan") for c in pos_counts]
     result = {"prompts": len(prompts), "temperature": ev.temperature, "gamma": gamma,
               "vllm": {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": acc, "tau": vllm_tau,

@@ -17,7 +17,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from benchmarks.bench_vllm import CONFIG, VllmServer, metrics, position_lines, post
+from benchmarks.bench_vllm import CONFIG, VllmServer, metrics, position_lines, post, spec_counts
 from dspark_cli.config import load_config
 from dspark_cli.decode.prompts import load_conversations
 
@@ -61,10 +61,7 @@ def main() -> None:
             cut = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
             print(f"  prompt {i}: first difference at character {cut}: target {a[cut:cut + 40]!r} "
                   f"vs speculative {b[cut:cut + 40]!r}")
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    drafts = delta.get("vllm:spec_decode_num_drafts_total", 0.0)
-    counts = [delta.get(f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{i}]", 0.0)
-              for i in range(gamma)]
+    drafts, _drafted, _accepted, counts = spec_counts(before, after, gamma)
     out = work / "eval-greedy"
     subprocess.run([args.dspark, "eval", "--config", args.config, "-o", str(out), "--force",
                     "--set", "eval.temperature=0", "--set", f"eval.limit={args.limit}",
