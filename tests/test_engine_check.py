@@ -14,6 +14,7 @@ from fixtures.drafter import drafter_config
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from dspark_cli import vllm_cpu_fix
 from dspark_cli.cli import main
 from dspark_cli.decode.sps import SpsTable
 from dspark_cli.model.drafter import DSparkDrafter
@@ -100,6 +101,8 @@ def test_per_layer_k_norm_is_noted_for_vllm_cpu_and_a_tied_one_is_not(tiny_qwen3
         export_drafter(drafter, str(tmp_path / name))
         notes = [f.text for f in check_export(str(tmp_path / name)).findings if f.engine == VLLM]
         assert any("model.tie_k_norm=true" in t for t in notes) is not tie, name
+        # vLLM-CPU's temperature bug hits any drafter it serves at T > 0: the fix is named either way
+        assert any(f"PYTHONPATH={vllm_cpu_fix.SITE_DIR}" in t for t in notes), name
 
 
 def test_headless_anchor_first_serves_static_with_its_zero_head(tiny_qwen3_target, tmp_path):

