@@ -31,7 +31,7 @@ import torch
 from dspark_cli.decode.batch import TargetBatch
 from dspark_cli.decode.prompts import dataset_name, load_conversations
 from dspark_cli.decode.scheduler import POLICIES, Scheduler
-from dspark_cli.decode.specdec import SpeculativeDecoder, Stopwatch, target_only
+from dspark_cli.decode.specdec import SpeculativeDecoder, Stopwatch, target_only, warm_up
 from dspark_cli.decode.sps import profile_target
 from dspark_cli.decode.stages import load_calibration
 from dspark_cli.model.export import load_drafter
@@ -130,11 +130,11 @@ def bench_datasets(args, model, tok, drafter, temps, t1: float) -> list[dict]:
     for url in args.dataset:
         name = dataset_name(url)
         convs = load_conversations(url, args.limit)
-        # Untimed first: the first decode of a dataset pays one-off costs (kernel selection for new
-        # shapes, allocator growth) that measured up to 1.7x on the target-only run.
-        decode_dataset(args, model, tok, drafter, convs[:1], temps, max_new_tokens=16)
-        target_only(model, tok, convs[:1], temperature=args.temperature, max_new_tokens=16,
-                    thinking=False, seed=args.seed)
+        def decode_few(few, tokens):
+            return decode_dataset(args, model, tok, drafter, few, temps, max_new_tokens=tokens)
+
+        warm_up(decode_few, model, tok, convs, baseline=True, temperature=args.temperature,
+                thinking=False, seed=args.seed)
         runs = []
         for rep in range(args.repeats):
             spec = decode_dataset(args, model, tok, drafter, convs, temps)

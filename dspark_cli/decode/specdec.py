@@ -314,3 +314,21 @@ def target_only(model: Any, tokenizer: Any, conversations: list[Conversation], *
         stats.answers[conv.id] = answers
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+#: New tokens of the untimed first decode (`warm_up`).
+WARM_UP_TOKENS = 16
+
+
+def warm_up(decode: Callable[[list[Conversation], int], Any], model: Any, tokenizer: Any,
+            conversations: list[Conversation], *, baseline: bool, temperature: float, thinking: bool,
+            seed: int = 0) -> None:
+    """An untimed short decode of the first conversation, speculative (`decode(convs, max_new)`)
+    and, with `baseline`, target-only: the first decode pays one-off costs (kernel selection for
+    new shapes, allocator growth; up to 1.7x on the target-only loop, docs/eval.md), and whichever
+    loop ran first paid them, which biased the measured speed-up. Each timed decode seeds its own
+    sampler, so what it emits is unchanged."""
+    decode(conversations[:1], WARM_UP_TOKENS)
+    if baseline:
+        target_only(model, tokenizer, conversations[:1], temperature=temperature,
+                    max_new_tokens=WARM_UP_TOKENS, thinking=thinking, seed=seed)

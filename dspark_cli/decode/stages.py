@@ -27,7 +27,7 @@ from .calibrate import RoundRecords, calibration_file, cross_fit, fit_sts
 from .prompts import dataset_name, load_conversations
 from .report import dataset_report, records
 from .scheduler import Scheduler
-from .specdec import SpeculativeDecoder, target_only
+from .specdec import SpeculativeDecoder, target_only, warm_up
 from .sps import SpsTable, default_batch_grid, profile_target
 
 
@@ -117,13 +117,15 @@ def run_eval(cfg: PipelineConfig, target: str, drafter_url: str, output_url: str
         convs = conversations[url]
         console.print(f"  {name}: {len(convs)} conversations, schedule {ev.schedule}, R={ev.concurrency}")
 
-        def decode(concurrency: int, convs=convs) -> Any:
+        def decode(concurrency: int, convs=convs, max_new_tokens: int = ev.max_new_tokens) -> Any:
             scheduler = Scheduler(ev.schedule, drafter.block_size, sps, threshold=ev.threshold)
             decoder = SpeculativeDecoder(model, tokenizer, drafter, scheduler, temperature=ev.temperature,
-                                         max_new_tokens=ev.max_new_tokens, thinking=ev.thinking,
+                                         max_new_tokens=max_new_tokens, thinking=ev.thinking,
                                          temperatures=temps, seed=ev.seed, draft_top_k=ev.draft_top_k)
             return decoder.run(convs, concurrency)
 
+        warm_up(lambda few, tokens: decode(1, few, tokens), model, tokenizer, convs, baseline=ev.baseline,
+                temperature=ev.temperature, thinking=ev.thinking, seed=ev.seed)
         stats = decode(ev.concurrency)
         sweep = []
         for r in ev.concurrency_sweep:
