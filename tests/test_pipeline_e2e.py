@@ -72,8 +72,8 @@ markov_rank = 16
 [train]
 num_anchors = 8
 global_batch = 2
-max_steps = 4
-save_every = 2
+max_steps = 40   # long enough that the kill below lands inside training (4 steps could finish first)
+save_every = 5
 
 [calibrate]
 num_prompts = 2
@@ -106,7 +106,7 @@ def test_pipeline_killed_midway_then_resumed_completes(tmp_path, tiny_qwen3_targ
     while not (work / "train" / "_run.json").exists():
         assert proc.poll() is None, proc.stdout.read()
         assert time.time() < deadline, "training never started"
-        time.sleep(0.2)
+        time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert manifest.read_manifest(str(work / "train")) is None  # killed before train finished
