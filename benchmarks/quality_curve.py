@@ -28,15 +28,15 @@ from dspark_cli import storage
 from dspark_cli.cache.reader import CacheDataset
 from dspark_cli.config import load_config
 from dspark_cli.model.export import load_drafter
+from dspark_cli.settings.train import TrainSettings
 from dspark_cli.train import checkpoint as ckpt
 from dspark_cli.train.loss import DrafterLoss, LossWeights
 from dspark_cli.train.validate import evaluate
 
 
-def score(checkpoint: str, cfg_path: str, validation: CacheDataset) -> float:
+def score(checkpoint: str, tc: TrainSettings, validation: CacheDataset) -> float:
     """Validation τ of one checkpoint, scored as the trainer scores its run's end (the frozen
     embedding and lm_head from the target its run recorded)."""
-    tc = load_config(cfg_path).train
     drafter = load_drafter(checkpoint)
     module = DrafterLoss(drafter, LossWeights(tc.ce_weight, tc.tv_weight, tc.conf_weight, tc.gamma_decay),
                          tc.loss_chunk_blocks, fast_kernels=tc.fast_kernels)
@@ -83,10 +83,11 @@ def main() -> None:
     if not steps:
         raise SystemExit(f"no checkpoint step kept by both {sorted(runs.values())}: "
                          "run make bench-quality first.")
+    settings = {name: load_config(path).train for name, path in DRAFTERS}
     points = []
     for step in steps:
-        taus = {name: score(storage.join(ckpt.checkpoints_url(runs[name]), ckpt.step_name(step)), path,
-                            validation) for name, path in DRAFTERS}
+        taus = {name: score(storage.join(ckpt.checkpoints_url(runs[name]), ckpt.step_name(step)),
+                            settings[name], validation) for name, _ in DRAFTERS}
         point = {"steps": step, **taus, "ratio": taus["dspark"] / taus["dflash"]}
         points.append(point)
         print(f"bench-quality-curve steps={step} dflash={taus['dflash']:.4f} dspark={taus['dspark']:.4f} "
