@@ -31,7 +31,7 @@ import torch
 from dspark_cli.decode.batch import TargetBatch
 from dspark_cli.decode.prompts import dataset_name, load_conversations
 from dspark_cli.decode.scheduler import POLICIES, Scheduler
-from dspark_cli.decode.specdec import SpeculativeDecoder, Stopwatch, target_only, warm_up
+from dspark_cli.decode.specdec import SpeculativeDecoder, Stopwatch, paired_decode, target_only, warm_up
 from dspark_cli.decode.sps import profile_target
 from dspark_cli.decode.stages import load_calibration
 from dspark_cli.model.export import load_drafter
@@ -137,9 +137,11 @@ def bench_datasets(args, model, tok, drafter, temps, t1: float) -> list[dict]:
                 thinking=False, seed=args.seed)
         runs = []
         for rep in range(args.repeats):
-            spec = decode_dataset(args, model, tok, drafter, convs, temps)
-            base = target_only(model, tok, convs, temperature=args.temperature,
-                               max_new_tokens=args.max_new_tokens, thinking=False, seed=args.seed)
+            spec, base = paired_decode(
+                lambda few: decode_dataset(args, model, tok, drafter, few, temps),
+                lambda few: target_only(model, tok, few, temperature=args.temperature,
+                                        max_new_tokens=args.max_new_tokens, thinking=False, seed=args.seed),
+                convs)
             cost = round_costs(spec)
             cost["target_only_tokens_per_second"] = base.new_tokens / base.seconds
             cost["speedup"] = cost["tokens_per_second"] / cost["target_only_tokens_per_second"]

@@ -17,7 +17,7 @@ from dspark_cli import manifest, storage
 from dspark_cli.config import load_config
 from dspark_cli.decode.prompts import Conversation, load_conversations
 from dspark_cli.decode.scheduler import Scheduler
-from dspark_cli.decode.specdec import DecodeStats, SpeculativeDecoder, target_only
+from dspark_cli.decode.specdec import DecodeStats, SpeculativeDecoder, paired_decode, target_only
 from dspark_cli.decode.sps import SpsTable
 from dspark_cli.decode.stages import run_calibrate, run_eval
 from dspark_cli.errors import DsparkError
@@ -329,3 +329,38 @@ def test_incremental_features_and_cache_match_a_full_forward_after_rejections(mo
     for mine, theirs in zip(decoder._context.layer_kv(), fresh.layer_kv(), strict=True):
         torch.testing.assert_close(mine[0], theirs[0], atol=3e-2, rtol=3e-2)
         torch.testing.assert_close(mine[1], theirs[1], atol=3e-2, rtol=3e-2)
+
+
+def test_paired_decode_alternates_which_loop_goes_first_and_merges_every_field():
+    """Both loops see the same minutes: conversation i runs speculative first when i is even,
+    target-only first when odd, and each side's parts sum to one DecodeStats."""
+    calls: list[tuple[str, str]] = []
+
+    def loop(name: str, seconds: float):
+        def decode(convs: list[Conversation]) -> DecodeStats:
+            (conv,) = convs
+            calls.append((name, conv.id))
+            stats = DecodeStats(gamma=3, new_tokens=len(conv.id) * 10, seconds=seconds, turns=1)
+            stats.answers[conv.id] = [name]
+            stats.phases["verify"] = seconds / 2
+            return stats
+        return decode
+
+    spec, base = paired_decode(loop("spec", 1.0), loop("base", 2.0), CONVS)
+    assert calls == [("spec", "a"), ("base", "a"), ("base", "b"), ("spec", "b"), ("spec", "c"), ("base", "c")]
+    assert (spec.new_tokens, spec.seconds, spec.turns, spec.phases) == (30, 3.0, 3, {"verify": 1.5})
+    assert (base.seconds, base.answers) == (6.0, {"a": ["base"], "b": ["base"], "c": ["base"]})
+
+
+def test_eval_baseline_at_r1_is_timed_paired_and_greedy_token_counts_match(trained, tiny_qwen3_target,
+                                                                          tmp_path):
+    """The eval's own speed-up at R = 1: paired timing recorded, and at T = 0 the speculative
+    loop emits as many tokens as the target-only one (the same greedy text, tested above)."""
+    out_dir, train_url = trained
+    data = _jsonl(tmp_path / "p.jsonl", [["What is 12 plus 30?"], ["Write a poem."], ["Hello!"]])
+    cfg = _cfg(tiny_qwen3_target, out_dir, f"eval.datasets=['{data}']", "eval.max_new_tokens=12",
+               "eval.temperature=0.0", "eval.baseline=true")
+    report = run_eval(cfg, str(tiny_qwen3_target), train_url, str(tmp_path / "eval")).summary
+    speed = report["datasets"][0]["tokens_per_second"]
+    assert speed["timing"] == "paired"
+    assert speed["speedup"] > 0 and speed["target_only_tokens"] == report["datasets"][0]["new_tokens"]

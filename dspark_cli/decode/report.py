@@ -164,7 +164,9 @@ def scheduler_summary(stats: DecodeStats, policy: str, concurrency: int) -> dict
 def dataset_report(name: str, url: str, conversations: int, stats: DecodeStats,
                    baseline: DecodeStats | None, policy: str, concurrency: int,
                    thresholds: list[float], temperatures: list[float] | None,
-                   sweep: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                   sweep: list[dict[str, Any]] | None = None,
+                   timing: str = "sequential") -> dict[str, Any]:
+    """One dataset's report; `timing` says how the two loops' clocks relate (specdec.paired_decode)."""
     rounds = len(stats.rounds)
     accepted = sum(r.accepted for r in stats.rounds)
     verified = sum(r.verified for r in stats.rounds)
@@ -189,7 +191,8 @@ def dataset_report(name: str, url: str, conversations: int, stats: DecodeStats,
                               "speedup": spec_tps / base_tps if spec_tps and base_tps else None,
                               "speculative_seconds": stats.seconds,
                               "target_only_seconds": baseline.seconds if baseline else None,
-                              "target_only_tokens": baseline.new_tokens if baseline else None},
+                              "target_only_tokens": baseline.new_tokens if baseline else None,
+                              "timing": timing if baseline else None},
         "scheduler": [scheduler_summary(stats, policy, concurrency), *(sweep or [])],
         "threshold_sweep": threshold_sweep(stats, thresholds, temperatures),
     }

@@ -332,3 +332,34 @@ def warm_up(decode: Callable[[list[Conversation], int], Any], model: Any, tokeni
     if baseline:
         target_only(model, tokenizer, conversations[:1], temperature=temperature,
                     max_new_tokens=WARM_UP_TOKENS, thinking=thinking, seed=seed)
+
+
+def merge_stats(parts: list[DecodeStats]) -> DecodeStats:
+    """One DecodeStats for decodes of disjoint conversations (rounds in order, seconds summed)."""
+    merged = DecodeStats(gamma=parts[0].gamma if parts else 0)
+    for part in parts:
+        merged.rounds.extend(part.rounds)
+        merged.batches.extend(part.batches)
+        merged.new_tokens += part.new_tokens
+        merged.seconds += part.seconds
+        merged.turns += part.turns
+        merged.answers.update(part.answers)
+        for phase, seconds in part.phases.items():
+            merged.phases[phase] = merged.phases.get(phase, 0.0) + seconds
+    return merged
+
+
+def paired_decode(speculative: Callable[[list[Conversation]], DecodeStats],
+                  baseline: Callable[[list[Conversation]], DecodeStats],
+                  conversations: list[Conversation]) -> tuple[DecodeStats, DecodeStats]:
+    """Each conversation decoded speculatively and target-only back to back, which one first
+    alternating: on a shared or throttling machine the speed drifts by ±15% within a minute, and
+    two loops timed one after the other each saw a different machine (single speed-ups swung
+    0.79-1.32× on the same drafter, docs/eval.md). Paired, both sides see the same minutes.
+    Each call seeds its own sampler, so conversation i emits the same tokens whatever its turn."""
+    spec_parts, base_parts = [], []
+    for i, conv in enumerate(conversations):
+        order = [(speculative, spec_parts), (baseline, base_parts)]
+        for decode, parts in order if i % 2 == 0 else order[::-1]:
+            parts.append(decode([conv]))
+    return merge_stats(spec_parts), merge_stats(base_parts)

@@ -27,7 +27,7 @@ from .calibrate import RoundRecords, calibration_file, cross_fit, fit_sts
 from .prompts import dataset_name, load_conversations
 from .report import dataset_report, records
 from .scheduler import Scheduler
-from .specdec import SpeculativeDecoder, target_only, warm_up
+from .specdec import SpeculativeDecoder, paired_decode, target_only, warm_up
 from .sps import SpsTable, default_batch_grid, profile_target
 
 
@@ -126,18 +126,26 @@ def run_eval(cfg: PipelineConfig, target: str, drafter_url: str, output_url: str
 
         warm_up(lambda few, tokens: decode(1, few, tokens), model, tokenizer, convs, baseline=ev.baseline,
                 temperature=ev.temperature, thinking=ev.thinking, seed=ev.seed)
-        stats = decode(ev.concurrency)
+        def target_alone(few: list) -> Any:
+            return target_only(model, tokenizer, few, temperature=ev.temperature,
+                               max_new_tokens=ev.max_new_tokens, thinking=ev.thinking, seed=ev.seed)
+
+        baseline = None
+        paired = ev.baseline and ev.concurrency == 1  # R > 1 decodes conversations together: not pairable
+        if paired:
+            stats, baseline = paired_decode(lambda few: decode(1, few), target_alone, convs)
+        else:
+            stats = decode(ev.concurrency)
         sweep = []
         for r in ev.concurrency_sweep:
             from .report import scheduler_summary
 
             sweep.append(scheduler_summary(decode(r), ev.schedule, r))
-        baseline = None
-        if ev.baseline:
-            baseline = target_only(model, tokenizer, convs, temperature=ev.temperature,
-                                   max_new_tokens=ev.max_new_tokens, thinking=ev.thinking, seed=ev.seed)
+        if ev.baseline and not paired:
+            baseline = target_alone(convs)
         report = dataset_report(name, url, len(convs), stats, baseline, ev.schedule, ev.concurrency,
-                                ev.sweep_thresholds, temps, sweep)
+                                ev.sweep_thresholds, temps, sweep,
+                                timing="paired" if paired else "sequential")
         storage.write_json(part, report)
         datasets.append(report)
     report = {
