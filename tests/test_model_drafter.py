@@ -196,16 +196,18 @@ def test_batched_ragged_rows_grown_in_pieces_draft_as_each_row_alone(tiny_qwen3_
     assert torch.equal(again.dist.tokens, batch.dist.tokens[[2, 0]])
 
 
-def test_top_k_draft_is_the_renormalised_truncated_distribution(tiny_qwen3_target, samples):
-    """With top_k the drafted tokens come from softmax over the k best base logits + Markov bias,
-    and that (not the full softmax) is the distribution handed to verification."""
+def test_top_k_draft_is_the_renormalised_distribution_on_base_and_markov_candidates(tiny_qwen3_target,
+                                                                                   samples):
+    """With top_k a slot's candidates are the k best base logits and the k tokens the vanilla
+    bias favours after the previous token; the drafted tokens come from the softmax of base logits
+    + Markov bias over those, and that (not the full softmax) is handed to verification."""
     drafter = build(tiny_qwen3_target)
     sample = samples[1]
     anchor = int(torch.nonzero(sample.loss_mask)[0]) + 3
     ctx, token = sample.hidden_states[:anchor], int(sample.input_ids[anchor])
     block = drafter.draft_block(ctx, token, anchor, 1.0, torch.Generator().manual_seed(1), top_k=8)
     full = drafter.draft_block(ctx, token, anchor, 1.0, torch.Generator().manual_seed(1))
-    assert ((block.probs > 0).sum(-1) == 8).all() and torch.allclose(block.probs.sum(-1), torch.ones(4))
+    assert torch.allclose(block.probs.sum(-1), torch.ones(4))
     assert all(block.probs[k, t] > 0 for k, t in enumerate(block.tokens.tolist()))
     batch = _pack_one(sample, [anchor], drafter.config)
     with torch.no_grad():
@@ -213,11 +215,44 @@ def test_top_k_draft_is_the_renormalised_truncated_distribution(tiny_qwen3_targe
                     batch.context_position_ids, dense_mask(batch.layout))
         prev = torch.cat([torch.tensor([token]), block.tokens[:-1]]).unsqueeze(0)
         base = drafter.lm_head(h)[0]
-        logits = base + drafter.markov_head.bias(drafter.markov_head.features(prev, h))[0]
-    top = base.topk(8, dim=-1).indices
-    expected = torch.zeros_like(logits).scatter(-1, top, torch.softmax(logits.gather(-1, top), -1))
+        bias = drafter.markov_head.bias(drafter.markov_head.features(prev, h))[0]
+    candidates = torch.zeros_like(base, dtype=torch.bool)
+    candidates.scatter_(-1, base.topk(8, dim=-1).indices, True)
+    candidates.scatter_(-1, bias.topk(8, dim=-1).indices, True)  # the vanilla bias: prev alone
+    assert ((candidates.sum(-1) > 8) & (candidates.sum(-1) <= 16)).all()  # the bias added its own
+    expected = torch.softmax((base + bias).masked_fill(~candidates, float("-inf")), -1)
     torch.testing.assert_close(block.probs, expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(block.probs, full.probs, atol=1e-3)  # truncation did change it
+
+
+def test_favoured_tokens_are_kept_per_token_until_the_weights_change(tiny_qwen3_target):
+    """favoured_after(x) is the top k of W2·W1[x], computed once per token and recomputed after
+    an update of either table (a head trained further must not draft from stale candidates)."""
+    head = build(tiny_qwen3_target).markov_head
+    prev = torch.tensor([3, 5, 3])
+    got = head.favoured_after(prev, 4)
+    with torch.no_grad():
+        direct = head.bias(head.embed_prev(prev)).topk(4, dim=-1).indices
+    assert torch.equal(got, direct) and int(head._favoured_known.sum()) == 2
+    with torch.no_grad():
+        head.markov_w2.weight.mul_(-1.0)  # in place: same storage, new version
+        flipped = head.bias(head.embed_prev(prev)).topk(4, dim=-1).indices
+    assert not torch.equal(flipped, direct) and torch.equal(head.favoured_after(prev, 4), flipped)
+    gated = build(tiny_qwen3_target, markov_head_type="gated").markov_head
+    with pytest.raises(ValueError, match="vanilla"):
+        gated.favoured_after(prev, 4)
+
+
+def test_a_support_listing_a_token_twice_adds_up_in_the_dense_row():
+    """The second copy of a repeated candidate carries probability 0; the dense distribution
+    verification builds must keep the first copy's probability, not overwrite it with 0."""
+    from dspark_cli.model.draw import DraftDist
+
+    support = torch.tensor([[[4, 1, 4, 2]]])
+    probs = torch.tensor([[[0.5, 0.3, 0.0, 0.2]]])
+    dist = DraftDist(torch.tensor([[4]]), support, probs, torch.tensor([[0]]))
+    row = dist.dense_row(torch.tensor([0]), torch.tensor([0]), 6)
+    assert torch.equal(row, torch.tensor([[0.0, 0.3, 0.2, 0.0, 0.5, 0.0]]))
 
 
 def test_fill_in_feeds_gamma_plus_one_slots(tiny_qwen3_target, samples):

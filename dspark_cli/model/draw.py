@@ -36,7 +36,7 @@ class DraftDist:
     """
 
     tokens: torch.Tensor  # LongTensor [R, γ]
-    support: torch.Tensor  # LongTensor [R, γ, K] token ids with non-zero probability
+    support: torch.Tensor  # LongTensor [R, γ, K] token ids; a repeated id has probability 0 after its first
     probs: torch.Tensor  # float32 [R, γ, K], the draft distribution on `support`
     index: torch.Tensor  # LongTensor [R, γ]: tokens = support[..., index]
 
@@ -53,4 +53,5 @@ class DraftDist:
     def dense_row(self, rows: torch.Tensor, slots: torch.Tensor, vocab: int) -> torch.Tensor:
         """Full distributions [n, V] of the given (request, slot) pairs."""
         out = torch.zeros(rows.shape[0], vocab, device=self.probs.device)
-        return out.scatter_(1, self.support[rows, slots], self.probs[rows, slots])
+        # Added, not written: a support may list a token twice, with probability 0 after the first.
+        return out.scatter_add_(1, self.support[rows, slots], self.probs[rows, slots])

@@ -85,6 +85,30 @@ class MarkovHead(nn.Module):
         """W2·z: [..., r] → [..., V]."""
         return self.markov_w2(z)
 
+    @torch.inference_mode()  # the kept table is then always an inference tensor, updatable in any mode
+    def favoured_after(self, prev_tokens: torch.Tensor, k: int) -> torch.Tensor:
+        """The k tokens the vanilla bias raises most after each previous token: [B] → [B, k].
+
+        The vanilla bias W2·W1[x] depends on the previous token alone, so its top k is a property
+        of the token, computed on first use (one [n, V] product for the tokens not seen yet) and
+        kept while the weights stay the same. A draft that takes its candidates from the base
+        logits alone misses the tokens only the Markov bias favours (docs/eval.md)."""
+        if self.kind != "vanilla":
+            raise ValueError(f"only the vanilla Markov bias depends on the previous token alone, "
+                             f"not {self.kind!r}.")
+        w1, w2 = self.markov_w1.weight, self.markov_w2.weight
+        key = (k, w1.data_ptr(), w1._version, w2.data_ptr(), w2._version)
+        if getattr(self, "_favoured_key", None) != key:
+            self._favoured_key = key
+            self._favoured = torch.zeros(w1.shape[0], k, dtype=torch.long, device=w1.device)
+            self._favoured_known = torch.zeros(w1.shape[0], dtype=torch.bool, device=w1.device)
+        prev_tokens = prev_tokens.to(w1.device)
+        missing = prev_tokens[~self._favoured_known[prev_tokens]].unique()
+        if missing.numel():
+            self._favoured[missing] = self.bias(self.embed_prev(missing)).topk(k, dim=-1).indices
+            self._favoured_known[missing] = True
+        return self._favoured[prev_tokens]
+
 
 def upgrade_legacy_markov(tensors: dict[str, torch.Tensor], kind: str, where: str) -> dict[str, torch.Tensor]:
     """Read checkpoints written before the heads matched DeepSpec/SGLang.
