@@ -1,6 +1,6 @@
 # Eval stage (docs/eval.md): losslessness audit, STS, SPS of SmolLM2-135M on this machine, and —
 # once `make demo` has trained a drafter — speculative decoding under each schedule.
-.PHONY: bench-eval bench-decode audit test-eval bench-calibration
+.PHONY: bench-eval bench-decode audit test-eval bench-calibration bench-draft-candidates
 
 ## Audit p-values + synthetic STS + SPS(B) of SmolLM2 (+ decoding when the demo drafter exists).
 bench-eval: demo-model
@@ -28,3 +28,10 @@ bench-decode: demo-model
 		$(BIN)/dspark pipeline run pipelines/smollm2-135m.toml --stages prepare,regen,cache,train,calibrate
 	$(BIN)/python -m benchmarks.bench_decode --drafter $(DEMO_WORK)/train \
 		--calibration $(DEMO_WORK)/calibration/calibration.json
+
+## τ of the demo drafter with each top-k candidate rule (base logits alone, + the Markov bias's
+## favoured tokens, the whole vocabulary), same conversations and seeds (~6 minutes).
+bench-draft-candidates: demo-model
+	test -f $(DEMO_WORK)/train/manifest.json || \
+		$(BIN)/dspark pipeline run pipelines/smollm2-135m.toml --stages prepare,regen,cache,train
+	$(BIN)/python -m benchmarks.bench_draft_candidates --drafter $(DEMO_WORK)/train

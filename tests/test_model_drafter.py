@@ -226,14 +226,18 @@ def test_top_k_draft_is_the_renormalised_distribution_on_base_and_markov_candida
 
 
 def test_favoured_tokens_are_kept_per_token_until_the_weights_change(tiny_qwen3_target):
-    """favoured_after(x) is the top k of W2·W1[x], computed once per token and recomputed after
+    """favoured_after(x) is the top k of W2·W1[x], kept for the vocabulary and recomputed after
     an update of either table (a head trained further must not draft from stale candidates)."""
     head = build(tiny_qwen3_target).markov_head
     prev = torch.tensor([3, 5, 3])
     got = head.favoured_after(prev, 4)
     with torch.no_grad():
         direct = head.bias(head.embed_prev(prev)).topk(4, dim=-1).indices
-    assert torch.equal(got, direct) and int(head._favoured_known.sum()) == 2
+    assert torch.equal(got, direct) and head._favoured.shape == (head.markov_w1.weight.shape[0], 4)
+    with torch.no_grad():
+        every = torch.arange(head.markov_w1.weight.shape[0])
+        assert torch.equal(head._favoured_table(4, rows_per_block=7),  # blocks that do not divide V
+                           head.bias(head.embed_prev(every)).topk(4, dim=-1).indices)
     with torch.no_grad():
         head.markov_w2.weight.mul_(-1.0)  # in place: same storage, new version
         flipped = head.bias(head.embed_prev(prev)).topk(4, dim=-1).indices

@@ -327,7 +327,7 @@ class DSparkDrafter(nn.Module):
     @torch.no_grad()
     def draft(self, context: DraftContext, anchor_tokens: torch.Tensor, temperature: float = 1.0,
               generator: torch.Generator | None = None, top_k: int = 0,
-              lap: Callable[[str], None] | None = None) -> DraftBatch:
+              lap: Callable[[str], None] | None = None, markov_candidates: bool = True) -> DraftBatch:
         """Propose γ tokens after each row's anchor (anchor_tokens [R]), left to right.
 
         One backbone pass for every row, then γ sequential head steps on all rows at once. With
@@ -335,7 +335,8 @@ class DSparkDrafter(nn.Module):
         head, the k tokens the bias favours after the previous token; the Markov bias is added
         to those only, and the draft distribution IS the softmax over them (zero elsewhere):
         exact for rejection sampling, and W2 is read for 2k rows instead of V. temperature 0 is
-        greedy. `lap(phase)` is called after the backbone and after the head loop (timing).
+        greedy. `lap(phase)` is called after the backbone and after the head loop (timing);
+        markov_candidates=False keeps the base top k alone (what bench_draft_candidates compares).
         """
         device = self.fc.weight.device
         R, n_in = anchor_tokens.shape[0], self.config.block_inputs
@@ -359,7 +360,8 @@ class DSparkDrafter(nn.Module):
         base = base.float()
         # The vanilla bias depends on the previous token alone: its own top k join each slot's
         # candidates once that token is drawn (Markov.favoured_after).
-        favoured = truncated and self.markov_head is not None and self.markov_head.kind == "vanilla"
+        favoured = (markov_candidates and truncated and self.markov_head is not None
+                    and self.markov_head.kind == "vanilla")
         if lap:
             lap("draft_backbone")
         tokens, probs, index, supports, confs = [], [], [], [], []
