@@ -217,6 +217,42 @@ class TestErrors:
         assert _health(server)["status"] == "ok"
 
 
+def test_prompts_of_very_different_lengths_prefill_in_groups_and_decode_as_alone(tiny_qwen3_target,
+                                                                                 reference):
+    """One batch of short and long prompts: prefilled in length groups whose caches are stacked,
+    every sequence still decodes exactly as Transformers' generate does for it alone."""
+    from dspark_cli.serve.engine import Engine, Sequence, length_groups
+    from dspark_cli.serve.sampling import SamplingParams
+
+    engine = Engine(str(tiny_qwen3_target), dtype="float32", device="cpu")
+    prompts = [[{"role": "user", "content": "Hi."}],
+               [{"role": "user", "content": "Tell me about the sea. " * 30}],
+               [{"role": "user", "content": "What is 2 plus 2?"}],
+               [{"role": "user", "content": "Describe a mountain, a river and a town. " * 12}]]
+    kwargs = {"enable_thinking": False}
+    seqs = [Sequence(engine.render(p, kwargs), SamplingParams(temperature=0.0, max_tokens=12),
+                     torch.Generator().manual_seed(0), lambda delta, reason: None) for p in prompts]
+    groups = length_groups(seqs)
+    assert 1 < len(groups) < len(seqs)  # the two short prompts share a forward, the long ones do not pad them
+    forwards: list[int] = []
+    engine.generate(seqs, on_forward=forwards.append)
+    assert forwards[:len(groups)] == [len(g) for g in groups]
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        assert seq.text == reference(prompt, 12, **kwargs)[2]
+
+
+def test_length_groups_bound_the_padding():
+    from dspark_cli.serve.engine import Sequence, length_groups
+    from dspark_cli.serve.sampling import SamplingParams
+
+    seqs = [Sequence([0] * n, SamplingParams(), torch.Generator(), lambda d, r: None)
+            for n in (100, 12, 10, 95, 11, 300)]
+    groups = length_groups(seqs, slack=1.25)
+    assert [[len(s.prompt_ids) for s in g] for g in groups] == [[10, 11, 12], [95, 100], [300]]
+    for g in groups:
+        assert len(g) * max(len(s.prompt_ids) for s in g) <= 1.25 * sum(len(s.prompt_ids) for s in g)
+
+
 def test_serve_refuses_a_missing_model(tmp_path):
     from dspark_cli.errors import DsparkError
     from dspark_cli.serve.process import start_server

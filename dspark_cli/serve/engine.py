@@ -120,6 +120,15 @@ class Engine:
             state = self._sample_and_prune(state, out.logits[:, -1, :].cpu(), state.next_pos + 1)
 
     def _prefill(self, batch: list[Sequence], on_forward: Callable[[int], None]) -> _Running | None:
+        """Prefill the prompts in groups of similar length (`length_groups`), then stack the groups'
+        caches into one running batch: one forward padded to the longest of 32 demo prompts
+        (86-321 tokens) ran 2.4x the real tokens and took 8-10 s."""
+        state = None
+        for group in length_groups(batch):
+            state = _merge(state, self._prefill_padded(group, on_forward))
+        return state
+
+    def _prefill_padded(self, batch: list[Sequence], on_forward: Callable[[int], None]) -> _Running | None:
         """Forward the (left-padded) prompts, sample each sequence's first token."""
         B = len(batch)
         L = max(len(s.prompt_ids) for s in batch)
@@ -189,6 +198,26 @@ class Engine:
         seq.finish_reason = reason
         if delta or reason:
             seq.on_event(delta, reason)
+
+
+#: A prefill group's padded tokens may exceed its real ones by this factor.
+PADDING_SLACK = 1.25
+
+
+def length_groups(batch: list[Sequence], slack: float = PADDING_SLACK) -> list[list[Sequence]]:
+    """Sequences sorted by prompt length, cut into runs whose left-padded size (rows × longest)
+    stays within `slack` × their real tokens: few forwards, little compute spent on padding."""
+    groups: list[list[Sequence]] = []
+    real = 0
+    for seq in sorted(batch, key=lambda s: len(s.prompt_ids)):
+        n = len(seq.prompt_ids)
+        if groups and (len(groups[-1]) + 1) * n <= slack * (real + n):
+            groups[-1].append(seq)
+            real += n
+        else:
+            groups.append([seq])
+            real = n
+    return groups
 
 
 def _trim_left_padding(state: _Running) -> None:
