@@ -91,6 +91,9 @@ class Engine:
         self.pad_id = pad if pad is not None else min(self.eos_ids)
         self.dtype = str(target.dtype).removeprefix("torch.")
         self._cache_arg = cache_kwarg(self.model)
+        head = self.model.get_output_embeddings()
+        if head is not None:
+            head.register_forward_pre_hook(_contiguous_input)
 
     def render(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
         """Prompt token ids exactly as the chat template renders the conversation."""
@@ -198,6 +201,13 @@ class Engine:
         seq.finish_reason = reason
         if delta or reason:
             seq.on_event(delta, reason)
+
+
+def _contiguous_input(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The lm_head's input made contiguous: with `logits_to_keep=1` a prefill hands it the strided
+    slice `hidden[:, -1:, :]`, which `F.linear` runs as a bmm over a copy of the weight per row
+    (25 rows x 576 x 49,152: 1.16 s, against 6 ms contiguous; a third of the demo's regen)."""
+    return (args[0].contiguous(), *args[1:])
 
 
 #: A prefill group's padded tokens may exceed its real ones by this factor.
