@@ -11,6 +11,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# dtype "auto" and precision "auto" follow the CPU's bf16 support; pinned so that what the suite
+# computes does not depend on which CPU the CI machine has (explicit bf16 tests stay bf16).
+os.environ.setdefault("DSPARK_CPU_BF16", "0")
 
 from fixtures.tiny_models import build_tiny_target  # noqa: E402
 

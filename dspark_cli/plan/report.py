@@ -11,7 +11,7 @@ from ..cache.estimate import EXPECTED_RATIO
 from ..cache.store import layout_bytes
 from ..config import PipelineConfig
 from ..model.config import DrafterConfig
-from ..target.dtypes import torch_dtype
+from ..target.dtypes import cpu_has_fast_bf16, torch_dtype
 from . import memory
 from .flops import StepFlops, micro_batch_flops
 from .shapes import TargetShape, shapes
@@ -110,7 +110,9 @@ def step_memory(cfg: PipelineConfig, c: DrafterConfig, target: TargetShape, data
                 online: bool) -> Memory:
     """Per-rank peak memory of a training step of this config."""
     tc = cfg.train
-    bf16 = tc.precision == "bf16" or (tc.precision == "auto" and cluster.device_type == "cuda")
+    # 'auto' on a GPU cluster plans bf16; on CPU it is planned as this machine would resolve it.
+    native_bf16 = cluster.device_type == "cuda" or cpu_has_fast_bf16()
+    bf16 = tc.precision == "bf16" or (tc.precision == "auto" and native_bf16)
     params = memory.parameter_counts(c)
     samples = _micro_samples(cfg, data)
     context, blocks = micro_batch_shape(c, samples, tc.num_anchors)
@@ -121,7 +123,8 @@ def step_memory(cfg: PipelineConfig, c: DrafterConfig, target: TargetShape, data
     if online:
         d = target.hidden_size
         T = data.tokens_per_sample * tc.micro_batch
-        size = torch_dtype(cfg.target.dtype).itemsize  # the target's weights and states in its dtype
+        dtype = cfg.target.dtype if cfg.target.dtype != "auto" else ("bfloat16" if native_bf16 else "float32")
+        size = torch_dtype(dtype).itemsize  # the target's weights and states in its dtype
         online_target = (target.parameters * size + (target.num_layers + 1) * T * d * size
                          + 3 * T * target.intermediate_size * size)
     return Memory(

@@ -17,8 +17,10 @@ class TargetSettings(Section):
     model: str = ""
     #: Hub revision, when `model` is a hub id.
     revision: str | None = None
-    #: Compute dtype of the target: bfloat16, float16 or float32 (target/dtypes.py DTYPE_NAMES).
-    dtype: str = "bfloat16"
+    #: Compute dtype of the target: auto, bfloat16, float16 or float32 (target/dtypes.py DTYPE_NAMES).
+    #: auto: bfloat16 on CUDA and on CPUs with native bf16 matmuls, else float32 (resolved on each
+    #: machine that loads the target; the drafter computes in the same dtype at eval).
+    dtype: str = "auto"
     #: Device: auto (cuda when present), cpu, cuda, cuda:N.
     device: str = "auto"
     #: Layer ids whose outputs condition the drafter (DESIGN.md §3): id i = HF hidden_states[i+1].
@@ -31,8 +33,8 @@ class TargetSettings(Section):
     trust_remote_code: bool = False
 
     def validate(self) -> None:
-        if self.dtype not in DTYPE_NAMES:
-            self.fail("dtype", f"must be one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}.")
+        if self.dtype not in ("auto", *DTYPE_NAMES):
+            self.fail("dtype", f"must be auto or one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}.")
         self.layers = parse_layers(self.layers, f"{self.name}.layers")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             self.fail("mask_token_id", f"must be >= 0, got {self.mask_token_id}.")

@@ -39,7 +39,7 @@ from ..model.markov_init import init_markov_rows
 from ..sample import Sample
 from ..settings.train import CONFIDENCE_HEAD_KEYS, EARLIER_BEHAVIOUR, MARKOV_HEAD_KEYS, RUNTIME_KEYS
 from ..stage import StageResult, already_done, completed
-from ..target.dtypes import resolve_device
+from ..target.dtypes import bf16_autocast, resolve_device
 from ..target.files import load_config, num_layers
 from ..target.identity import config_hash
 from ..target.layers import agree_layers, resolve_layers
@@ -85,10 +85,8 @@ class Dist:
 
 
 def autocast_for(precision: str, device: torch.device) -> Any:
-    """bf16 autocast where supported ('auto': CUDA with bf16), else full precision."""
-    use_bf16 = precision == "bf16" or (
-        precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
-    if not use_bf16:
+    """bf16 autocast where asked for, or with 'auto' where bf16 matmuls are native; else full precision."""
+    if not bf16_autocast(precision, device):
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
