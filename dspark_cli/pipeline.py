@@ -140,12 +140,27 @@ def run_pipeline(config_path: str, sets: list[str] | None = None, stages: str | 
                       "target over the responses itself).[/]")
         selected.remove("cache")
     preflight(cfg, selected)
+    say_cpu_dtypes(cfg)
     outcomes = []
     for stage in selected:
         start = time.time()
         run_stage(stage, cfg, config_path, sets, force)
         outcomes.append(StageOutcome(stage, time.time() - start, stage_output(cfg, stage)))
     return outcomes
+
+
+def say_cpu_dtypes(cfg: PipelineConfig) -> None:
+    """What 'auto' resolved to on this CPU, said once up front: without native bf16 matmuls every
+    stage runs fp32, about twice the time of a bf16 CPU (docs/demo.md)."""
+    from .target.dtypes import auto_dtype, bf16_autocast, cpu_has_fast_bf16, resolve_device
+
+    target, trainer = resolve_device(cfg.target.device), resolve_device(cfg.train.device)
+    if "cpu" not in (target.type, trainer.type) or "auto" not in (cfg.target.dtype, cfg.train.precision):
+        return
+    precision = "bf16" if bf16_autocast(cfg.train.precision, trainer) else "fp32"
+    native = "has" if cpu_has_fast_bf16() else "has no"
+    console.print(f"[dim]pipeline: target dtype {auto_dtype(cfg.target.dtype, target)}, train precision "
+                  f"{precision} (this CPU {native} native bf16 matmuls; DSPARK_CPU_BF16=0/1 overrides).[/]")
 
 
 def preflight(cfg: PipelineConfig, stages: list[str]) -> None:

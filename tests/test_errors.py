@@ -184,6 +184,18 @@ def test_a_hub_id_without_hub_fails_at_once_with_a_local_folder_hint(tmp_path, t
     assert fixed.returncode == 0, fixed.stderr
 
 
+def test_a_bad_cpu_bf16_override_is_one_line_and_auto_follows_it(tmp_path, tiny_qwen3_target):
+    """target.dtype auto resolves through DSPARK_CPU_BF16 in the installed script; a bad value
+    is named, exit 2, and the corrected run writes the dtype it resolved to."""
+    args = ["profile", "--target", str(tiny_qwen3_target), "--batch-tokens", "1,2", "--repeats", "1",
+            "--context-length", "8", "--device", "cpu"]
+    bad = run_dspark(*args, "-o", str(tmp_path / "bad"), env={"DSPARK_CPU_BF16": "yes"})
+    assert_user_error(bad, "DSPARK_CPU_BF16", "'yes'")
+    ok = run_dspark(*args, "-o", str(tmp_path / "ok"), env={"DSPARK_CPU_BF16": "1"})  # the suite pins 0
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads((tmp_path / "ok" / "sps.json").read_text())["meta"]["dtype"] == "bfloat16"
+
+
 # ---- misleading messages -----------------------------------------------------------------------------
 
 def test_messages_name_the_true_cause(tmp_path, tiny_qwen3_target, prompts, responses):

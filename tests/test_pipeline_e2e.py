@@ -115,6 +115,9 @@ def test_pipeline_killed_midway_then_resumed_completes(tmp_path, tiny_qwen3_targ
     output, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, output
     assert "data prepare: " in output and "nothing to do" in output  # finished stages are skipped
+    # train.precision auto, resolved once up front (the suite pins DSPARK_CPU_BF16=0)
+    assert "target dtype float32, train precision fp32 (this CPU has no native bf16" in " ".join(
+        output.split()), output
 
     for stage_dir in STAGE_DIRS:
         assert manifest.read_manifest(str(work / stage_dir)) is not None, stage_dir

@@ -3,6 +3,7 @@ rendering, stop ids and identity, as cache, train, decode and serve use them."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 
@@ -14,12 +15,13 @@ from dspark_cli.config import load_config
 from dspark_cli.errors import ConfigError, DsparkError
 from dspark_cli.target import identity
 from dspark_cli.target.capture import capture_layers, capture_step
-from dspark_cli.target.dtypes import auto_dtype, resolve_device, torch_dtype
+from dspark_cli.target.dtypes import auto_dtype, bf16_autocast, cpu_has_fast_bf16, resolve_device, torch_dtype
 from dspark_cli.target.files import load_config as load_target_config
 from dspark_cli.target.files import num_layers
 from dspark_cli.target.identity import config_hash
 from dspark_cli.target.layers import agree_layers, auto_layers, parse_layers, resolve_layers
 from dspark_cli.target.model import Target, load_target
+from dspark_cli.train.trainer import autocast_for
 
 
 def test_capture_matches_hidden_states_and_the_final_norm(tiny_llama_target):
@@ -133,12 +135,33 @@ def test_one_dtype_table_and_local_rank_devices():
     assert torch_dtype("bfloat16") is torch.bfloat16 and torch_dtype(torch.float16) is torch.float16
     with pytest.raises(DsparkError, match="must be one of bfloat16, float16, float32"):
         torch_dtype("fp64")
-    with pytest.raises(ConfigError, match="target.dtype must be one of"):
+    with pytest.raises(ConfigError, match="target.dtype must be auto or one of"):
         load_config(None, ["target.dtype=fp64"])
     assert resolve_device("cuda", local_rank=3) == torch.device("cuda", 3)
     assert resolve_device("cuda:1", local_rank=3) == torch.device("cuda", 1)
     assert resolve_device("cpu") == torch.device("cpu")
     assert auto_dtype("float16", torch.device("cpu")) == "float16"
+
+
+def test_auto_follows_the_cpus_bf16_support(monkeypatch):
+    """'auto' (target.dtype, train.precision) is bf16 only where bf16 matmuls are native: an AVX2
+    CPU runs them ~150x slower than fp32. DSPARK_CPU_BF16 overrides the detection."""
+    cpu = torch.device("cpu")
+    assert load_config(None, []).target.dtype == "auto"
+    monkeypatch.setenv("DSPARK_CPU_BF16", "1")
+    assert auto_dtype("auto", cpu) == "bfloat16" and bf16_autocast("auto", cpu)
+    monkeypatch.setenv("DSPARK_CPU_BF16", "0")
+    assert auto_dtype("auto", cpu) == "float32" and not bf16_autocast("auto", cpu)
+    assert auto_dtype("auto", "cuda") == "bfloat16"
+    assert bf16_autocast("bf16", cpu) and not bf16_autocast("fp32", cpu)
+    assert isinstance(autocast_for("auto", cpu), contextlib.nullcontext)
+    monkeypatch.setenv("DSPARK_CPU_BF16", "1")
+    assert isinstance(autocast_for("auto", cpu), torch.autocast)
+    monkeypatch.setenv("DSPARK_CPU_BF16", "yes")
+    with pytest.raises(DsparkError, match="DSPARK_CPU_BF16='yes': must be 1"):
+        auto_dtype("auto", cpu)
+    monkeypatch.delenv("DSPARK_CPU_BF16")
+    assert cpu_has_fast_bf16() == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def test_fingerprint_is_the_config_hash_and_reads_the_old_spelling(tiny_llama_target, tmp_path):

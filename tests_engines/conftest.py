@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("DSPARK_CPU_BF16", "0")  # 'auto' dtypes as on any CI CPU (tests/conftest.py)
 
 from fixtures.drafter import drafter_config, make_samples  # noqa: E402
 from fixtures.tiny_models import build_tiny_target  # noqa: E402

@@ -33,7 +33,8 @@ def profile_cmd(
     repeats: Annotated[int, typer.Option(help="Timed repeats per B (the median is kept).")] = 5,
     tokens_per_row: Annotated[int, typer.Option(
         help="Tokens per request of a round (γ + 1): B is split over ⌈B / this⌉ requests.")] = 8,
-    dtype: Annotated[str | None, typer.Option(help="bfloat16, float16 or float32 (target.dtype).")] = None,
+    dtype: Annotated[str | None, typer.Option(
+        help="auto, bfloat16, float16 or float32 (target.dtype).")] = None,
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N (target.device).")] = None,
 ) -> None:
     """Measure SPS(B) on this hardware."""

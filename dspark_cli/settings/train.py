@@ -81,7 +81,7 @@ class TrainSettings(Section):
     markov_init: str = "random"
     #: Fraction of the peak lr the cosine decays to.
     min_lr_ratio: float = 0.1
-    #: auto (bf16 autocast where the device supports it), bf16, or fp32.
+    #: auto (bf16 autocast on CUDA with bf16 and on CPUs with native bf16 matmuls), bf16, or fp32.
     precision: str = "auto"
     #: auto (cuda when present, else cpu), cpu, cuda, cuda:N. Under torchrun each rank takes its local GPU.
     device: str = "auto"
