@@ -155,6 +155,12 @@ def say_cpu_dtypes(cfg: PipelineConfig) -> None:
     from .target.dtypes import auto_dtype, bf16_autocast, cpu_has_fast_bf16, resolve_device
 
     target, trainer = resolve_device(cfg.target.device), resolve_device(cfg.train.device)
+    slow = [name for name, device, value in (("target.dtype", target, cfg.target.dtype),
+                                             ("train.precision", trainer, cfg.train.precision))
+            if device.type == "cpu" and value in ("bfloat16", "bf16")]
+    if slow and not cpu_has_fast_bf16():
+        console.print(f"[yellow]pipeline: {' and '.join(slow)} ask for bf16 on a CPU without native bf16 "
+                      "matmuls, where they run ~100x slower than fp32: set them to auto.[/]")
     if "cpu" not in (target.type, trainer.type) or "auto" not in (cfg.target.dtype, cfg.train.precision):
         return
     precision = "bf16" if bf16_autocast(cfg.train.precision, trainer) else "fp32"

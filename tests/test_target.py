@@ -276,3 +276,21 @@ def test_an_eval_run_of_the_last_release_keeps_matching_its_target(tiny_llama_ta
     assert _target_input(cfg, target, out) == old
     assert manifest.prepare_stage("profile", out, {"a": 1}, {target: _target_input(cfg, target, out)}
                                   ).state == "resume"
+
+
+def test_the_pipeline_says_what_auto_resolved_to_and_warns_of_pinned_bf16(monkeypatch, capsys):
+    from dspark_cli.pipeline import say_cpu_dtypes
+
+    monkeypatch.setenv("DSPARK_CPU_BF16", "0")
+    say_cpu_dtypes(load_config(None, ["target.device=cpu", "train.device=cpu"]))
+    said = " ".join(capsys.readouterr().err.split())
+    assert "target dtype float32, train precision fp32 (this CPU has no native bf16" in said
+    assert "slower" not in said
+    say_cpu_dtypes(load_config(None, ["target.device=cpu", "train.device=cpu", "target.dtype=bfloat16",
+                                      "train.precision=bf16"]))
+    said = " ".join(capsys.readouterr().err.split())
+    assert "target.dtype and train.precision ask for bf16 on a CPU without native bf16" in said
+    monkeypatch.setenv("DSPARK_CPU_BF16", "1")
+    say_cpu_dtypes(load_config(None, ["target.device=cpu", "train.device=cpu", "target.dtype=bfloat16"]))
+    said = " ".join(capsys.readouterr().err.split())
+    assert "slower" not in said and "train precision bf16 (this CPU has native bf16" in said
