@@ -36,6 +36,7 @@ from dspark_cli.decode.sps import profile_target
 from dspark_cli.decode.stages import load_calibration
 from dspark_cli.model.export import load_drafter
 from dspark_cli.target.chat import render_prompt
+from dspark_cli.target.dtypes import auto_dtype
 from dspark_cli.target.dtypes import torch_dtype as resolve_dtype
 from dspark_cli.target.model import load_target
 
@@ -233,7 +234,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=4, help="conversations per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--dtype", default="bfloat16", help="target and drafter dtype")
+    ap.add_argument("--dtype", default="auto",
+                    help="target and drafter dtype (auto: bfloat16 where the CPU has it natively)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top-k", type=int, default=64, help="drafter candidates for the Markov bias (0: all)")
     ap.add_argument("--repeats", type=int, default=2, help="decodes per dataset, to show the spread")
@@ -249,6 +251,7 @@ def main() -> None:
     args.figure8_r = [int(x) for x in args.figure8_r.split(",")]
     args.policies = [p for p in args.policies.split(",") if p]
     torch.set_num_threads(args.threads)
+    args.dtype = auto_dtype(args.dtype, "cpu")
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     t_start = time.perf_counter()
     load = Path("/proc/loadavg").read_text().split()[:3]
