@@ -159,9 +159,9 @@ def main() -> None:
     if args.child:
         return child(args)
     if args.precision == "auto":  # without native bf16 PyTorch's bf16 gemms run at ~1-8 GFLOP/s
-        import torch
+        from dspark_cli.target.dtypes import cpu_has_fast_bf16
 
-        args.precision = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "fp32"
+        args.precision = "bf16" if cpu_has_fast_bf16() else "fp32"
         print(f"precision auto: {args.precision} (native bf16 matmuls: "
               f"{'yes' if args.precision == 'bf16' else 'no'})", flush=True)
     print(f"bench-train: SmolLM2-135M-sized drafter (V={VOCAB}, d={HIDDEN}, {HEADS}/{KV_HEADS} heads), "
