@@ -11,7 +11,7 @@ from ..cache.estimate import EXPECTED_RATIO
 from ..cache.store import layout_bytes
 from ..config import PipelineConfig
 from ..model.config import DrafterConfig
-from ..target.dtypes import cpu_has_fast_bf16, torch_dtype
+from ..target.dtypes import auto_dtype, cpu_has_fast_bf16, torch_dtype
 from . import memory
 from .flops import StepFlops, micro_batch_flops
 from .shapes import TargetShape, shapes
@@ -123,8 +123,7 @@ def step_memory(cfg: PipelineConfig, c: DrafterConfig, target: TargetShape, data
     if online:
         d = target.hidden_size
         T = data.tokens_per_sample * tc.micro_batch
-        dtype = cfg.target.dtype if cfg.target.dtype != "auto" else ("bfloat16" if native_bf16 else "float32")
-        size = torch_dtype(dtype).itemsize  # the target's weights and states in its dtype
+        size = torch_dtype(auto_dtype(cfg.target.dtype, cluster.device_type)).itemsize  # weights + states
         online_target = (target.parameters * size + (target.num_layers + 1) * T * d * size
                          + 3 * T * target.intermediate_size * size)
     return Memory(
