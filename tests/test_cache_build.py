@@ -227,6 +227,47 @@ def test_reader_survives_pickling_for_dataloader_workers(local_cache):
     assert sorted(item.sample_id for item in loader) == sorted(ds[i].sample_id for i in range(len(ds)))
 
 
+def test_kept_samples_are_decoded_once_and_the_budget_bounds_them(local_cache, monkeypatch):
+    """memory_mb: a second pass over a cache that fits decodes nothing; a budget smaller than the
+    cache keeps only what fits; kept samples equal fresh reads; pickling carries none of them."""
+    import pickle
+
+    import dspark_cli.cache.reader as reader
+
+    fresh = CacheDataset(local_cache, prefetch=0)
+    reads: list[int] = []
+    load = CacheDataset._load
+
+    def counting(self, i):
+        reads.append(i)
+        return load(self, i)
+
+    monkeypatch.setattr(reader.CacheDataset, "_load", counting)
+    ds = CacheDataset(local_cache, prefetch=0, memory_mb=64)
+    first = [ds[i] for i in range(len(ds))]
+    assert sorted(reads) == list(range(len(ds))) and ds.kept_samples == len(ds)
+    reads.clear()
+    second = [ds[i] for i in reversed(range(len(ds)))]
+    assert reads == []  # the whole cache fits: nothing is read or decoded again
+    for i, item in enumerate(reversed(second)):
+        assert item is first[i]
+        assert torch.equal(item.hidden_states, fresh[i].hidden_states)
+        assert torch.equal(item.final_hidden, fresh[i].final_hidden)
+    assert pickle.loads(pickle.dumps(ds)).kept_samples == 0
+
+    one = first[0]
+    size = sum(t.numel() * t.element_size() for t in (one.input_ids, one.loss_mask, one.hidden_states,
+                                                       one.final_hidden))
+    small = CacheDataset(local_cache, prefetch=0, memory_mb=1)
+    small.memory_bytes = size  # room for sample 0 alone
+    [small[i] for i in range(len(small))]
+    assert small.kept_samples == 1
+    reads.clear()
+    [small[i] for i in range(len(small))]
+    assert sorted(reads) == list(range(1, len(small)))  # every sample but the kept one is read again
+    assert CacheDataset(local_cache, prefetch=0).kept_samples == 0  # the default keeps nothing
+
+
 def test_force_with_several_workers_is_refused(tiny_qwen3_target, responses, memory_url):
     with pytest.raises(DsparkError, match="--force with several workers"):
         build_cache(config(tiny_qwen3_target), responses, storage.join(memory_url, "c"), force=True,

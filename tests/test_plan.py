@@ -146,5 +146,11 @@ def test_on_cpu_a_checkpoints_serialised_moments_count_and_not_on_a_gpu():
     trainable = cpu.parameters["trainable"]
     m = cpu.sources["cache"].memory
     assert m.checkpoint == 8 * trainable and gpu.sources["cache"].memory.checkpoint == 0
-    static = m.runtime + m.frozen + m.batches
+    assert gpu.sources["cache"].memory.kept == 0 and cpu.sources["online"].memory.kept == 0
+    # the reader keeps the whole split when it fits train.cache_memory_mb (host memory: CPU only)
+    d, train = cpu.target["hidden_size"], int(100 * (1 - cfg.data.val_fraction))
+    few = make_plan(cfg, Data(100, 112, 34, "stated"), Cluster(1, 80.0, 300.0, "cpu"))
+    assert few.sources["cache"].memory.kept == train * (112 * (8 + 1 + 5 * d * 2) + 34 * d * 2)  # fits
+    assert m.kept == cfg.train.cache_memory_mb * 2**20  # 950 samples of 2.9 MB: the budget bounds it
+    static = m.runtime + m.frozen + m.batches + m.kept
     assert m.peak == static + m.states + m.checkpoint  # short samples: the checkpoint is the peak

@@ -3,10 +3,13 @@
     ds = CacheDataset("s3://bucket/cache", expect_layers=[1, 9, 17, 25, 33], split="train")
     sample = ds[0]   # a Sample: input_ids [T], loss_mask [T], hidden_states [T, m*d], final_hidden [K, d]
 
-Opened shards stay in a small LRU (their Zarr handles and offsets); each sample is a ranged read of
-its own rows. A background thread prefetches the next samples of the iteration order, which
-`ShardLocalSampler` makes shard-local (shuffle shards, then samples within a shard) so reads stay
-close together on object stores.
+Opened shards stay in an LRU (their Zarr handles and per-token arrays, ~5 bytes a token); each
+sample is a ranged read of its own rows. A background thread prefetches the next samples of the
+iteration order, which `ShardLocalSampler` makes shard-local (shuffle shards, then samples within a
+shard) so reads stay close together on object stores. With `memory_mb`, decoded samples are kept
+up to that many MB, so a cache that fits is read once, not once per epoch: on 2 cores a demo
+sample cost ~10 ms of decoding and a shard reopen ~190 ms, work that ran in the prefetch threads
+beside every training step.
 
 Every chunk read is checked against its crc32c as zarr decodes it (`store.CHUNK_CHECKSUM`); a
 chunk that fails, or does not decode at all, stops the read with one line naming the shard and
@@ -93,7 +96,8 @@ class CacheDataset(torch.utils.data.Dataset):
 
     def __init__(self, url: str, expect_layers: list[int] | None = None,
                  expect_hidden_size: int | None = None, expect_target_config_hash: str | None = None,
-                 split: str | None = None, lru_shards: int = 4, prefetch: int = 8) -> None:
+                 split: str | None = None, lru_shards: int = 64, prefetch: int = 8,
+                 memory_mb: int = 0) -> None:
         self.url = url
         found = read_cache_manifest(url)
         self.meta: dict[str, Any] = found["extra"]
@@ -121,6 +125,8 @@ class CacheDataset(torch.utils.data.Dataset):
         self.split = split
         self.lru_shards = lru_shards
         self.prefetch = prefetch
+        #: Decoded samples kept (first come, never evicted) up to this many bytes; 0 keeps none.
+        self.memory_bytes = max(0, int(memory_mb)) * 2**20
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -131,10 +137,13 @@ class CacheDataset(torch.utils.data.Dataset):
         self._pending: dict[int, Future] = {}
         self._order: np.ndarray | None = None
         self._pos: np.ndarray | None = None
+        self._kept: dict[int, Sample] = {}
+        self._kept_bytes = 0
 
     def __getstate__(self) -> dict[str, Any]:  # DataLoader workers: reopen handles lazily
         state = self.__dict__.copy()
-        for key in ("_lru", "_lock", "_pool", "_pending", "_order", "_pos", "_unverified_said"):
+        for key in ("_lru", "_lock", "_pool", "_pending", "_order", "_pos", "_unverified_said",
+                    "_kept", "_kept_bytes"):
             state.pop(key, None)
         return state
 
@@ -242,23 +251,42 @@ class CacheDataset(torch.utils.data.Dataset):
             nxt = list(range(i + 1, min(len(self), i + 1 + self.prefetch)))
         with self._lock:
             for n in nxt:
-                if n not in self._pending:
+                if n not in self._pending and n not in self._kept:
                     self._pending[n] = self._pool.submit(self._load, n)
 
     def __getitem__(self, i: int) -> Sample:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range (cache has {len(self)})")
         with self._lock:
+            kept = self._kept.get(i)
             pending = self._pending.pop(i, None)
             if len(self._pending) > 4 * max(1, self.prefetch):  # a random-access user: drop stale work
                 self._pending.clear()
+        if kept is not None:
+            self._schedule(i)
+            return kept
         try:
             item = pending.result() if pending is not None else self._load(i)
         except DsparkError:
             self.close()  # a corrupt chunk ends the run: leave no prefetch behind
             raise
+        self._keep(i, item)
         self._schedule(i)
         return item
+
+    def _keep(self, i: int, item: Sample) -> None:
+        """Hold a decoded sample while the memory budget lasts (readers never modify samples)."""
+        size = sum(t.numel() * t.element_size() for t in (item.input_ids, item.loss_mask, item.hidden_states,
+                                                           item.final_hidden) if t is not None)
+        with self._lock:
+            if i not in self._kept and self._kept_bytes + size <= self.memory_bytes:
+                self._kept[i] = item
+                self._kept_bytes += size
+
+    @property
+    def kept_samples(self) -> int:
+        """How many decoded samples are held in memory (`memory_mb`)."""
+        return len(self._kept)
 
     def close(self) -> None:
         """Stop the prefetcher (queued reads are dropped); the dataset still reads on demand."""

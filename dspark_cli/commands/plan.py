@@ -84,7 +84,8 @@ def plan_cmd(
                       f"chunk {_gib(m.transient)}, gradients {_gib(m.gradients)}"
                       + (f", checkpoint {_gib(m.checkpoint)}" if m.checkpoint else "") + ") + frozen "
                       f"{_gib(m.frozen)} + batches {_gib(m.batches)} + target {_gib(m.online_target)} "
-                      f"+ runtime {_gib(m.runtime)}")
+                      f"+ runtime {_gib(m.runtime)}"
+                      + (f" + kept samples {_gib(m.kept)}" if m.kept else ""))
         console.print(f"         {sp.flops_per_step / 1e12:.1f} TFLOP a step, "
                       f"{sp.flops_per_epoch / 1e18:.2f} EFLOP an epoch, {sp.hours:.1f} h for "
                       f"{plan.epochs} epochs on {gpus} GPUs")

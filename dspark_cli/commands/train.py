@@ -73,7 +73,8 @@ def train_command(
         input_url = cache or cfg.stage_url("cache")
 
         def open_split(split: str) -> CacheDataset:
-            return CacheDataset(input_url, split=split)
+            memory_mb = cfg.train.cache_memory_mb if split == "train" else 0  # validation: read once
+            return CacheDataset(input_url, split=split, memory_mb=memory_mb)
     result = train(cfg, input_url, output_url, force=force, open_split=open_split)
     if result.summary:  # rank 0 only
         say_if_done(result, "train")

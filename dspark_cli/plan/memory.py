@@ -13,9 +13,11 @@
     runtime      the process itself: measured for CPU (torch + libraries), an allowance for CUDA
     checkpoint   a checkpoint's AdamW moments (8·P) serialised in host memory before the write: on
                  CPU that is the device's memory, and `make rehearse` measured it as the peak
+    kept         decoded cache samples the reader keeps (train.cache_memory_mb, at most the split):
+                 host memory, so on CPU only
 
-    peak = runtime + frozen + batches (+ online) + max(12·P + activations + transient, 16·P,
-                                                       12·P + checkpoint)
+    peak = runtime + frozen + batches (+ online | + kept) + max(12·P + activations + transient,
+                                                              16·P, 12·P + checkpoint)
 """
 
 from __future__ import annotations
@@ -96,6 +98,12 @@ def loss_transient_bytes(c: DrafterConfig, blocks: int, chunk_blocks: int, bf16:
     rows = min(blocks, chunk_blocks or blocks) * c.block_size
     half = 2 if bf16 else 4
     return rows * c.vocab_size * (4 + 4 + half + half)
+
+
+def sample_bytes(c: DrafterConfig, tokens: int, loss_tokens: int) -> int:
+    """One decoded cache sample as the reader returns it: ids (int64) and mask (bool) per token,
+    the context layers' states (bf16) per token, the final state (bf16) per loss token."""
+    return tokens * (8 + 1 + c.num_context_layers * c.hidden_size * 2) + loss_tokens * c.hidden_size * 2
 
 
 def batch_bytes(c: DrafterConfig, context_tokens: int, blocks: int) -> int:

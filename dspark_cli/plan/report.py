@@ -58,10 +58,14 @@ class Memory:
     #: A checkpoint's AdamW moments serialised in host memory before the write (train/checkpoint.py);
     #: counted where host memory is the device's (CPU), 0 for a GPU's own memory.
     checkpoint: int = 0
+    #: Decoded cache samples the reader keeps (train.cache_memory_mb, at most the split's size):
+    #: host memory, so counted where it is the device's (CPU) and for the cache source only.
+    kept: int = 0
 
     @property
     def peak(self) -> int:
-        static = self.runtime + self.frozen + self.batches + self.online_target + self.ddp_buckets
+        static = (self.runtime + self.frozen + self.batches + self.online_target + self.ddp_buckets
+                  + self.kept)
         return static + max(self.states + self.activations + self.transient, self.states + self.gradients,
                             self.states + self.checkpoint)
 
@@ -92,6 +96,11 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def train_samples(cfg: PipelineConfig, data: Data) -> int:
+    """The training split's samples (the rest is held out)."""
+    return int(data.samples * (1 - cfg.data.val_fraction))
 
 
 def _micro_samples(cfg: PipelineConfig, data: Data) -> list[tuple[int, int]]:
@@ -133,7 +142,10 @@ def step_memory(cfg: PipelineConfig, c: DrafterConfig, target: TargetShape, data
         batches=(1 + tc.prefetch_batches) * memory.batch_bytes(c, context, blocks),
         online_target=online_target, runtime=memory.RUNTIME_BYTES[cluster.device_type],
         ddp_buckets=params.trainable * 4 if cluster.gpus > 1 else 0,
-        checkpoint=params.trainable * 8 if cluster.device_type == "cpu" else 0)
+        checkpoint=params.trainable * 8 if cluster.device_type == "cpu" else 0,
+        kept=(min(tc.cache_memory_mb * 2**20, train_samples(cfg, data) * memory.sample_bytes(
+            c, data.tokens_per_sample, data.loss_tokens_per_sample))
+              if cluster.device_type == "cpu" and not online else 0))
 
 
 def step_flops(cfg: PipelineConfig, c: DrafterConfig, data: Data) -> StepFlops:
@@ -155,7 +167,7 @@ def make_plan(cfg: PipelineConfig, data: Data, cluster: Cluster) -> Plan:
     params = memory.parameter_counts(c)
     micro = step_flops(cfg, c, data)
     per_step = float(micro.total) * tc.global_batch / tc.micro_batch
-    steps = max(1, int(data.samples * (1 - cfg.data.val_fraction)) // tc.global_batch)
+    steps = max(1, train_samples(cfg, data) // tc.global_batch)
     layers = c.target_layer_ids
     tokens = data.samples * data.tokens_per_sample
     raw = layout_bytes(tokens, data.samples * data.loss_tokens_per_sample, len(layers), c.hidden_size,
