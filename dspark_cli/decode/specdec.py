@@ -25,8 +25,9 @@ import torch
 
 from ..model.draw import draw
 from ..settings.eval import EvalSettings
-from ..target.capture import cache_kwarg, new_cache
+from ..target.capture import cache_kwarg
 from ..target.chat import render_prompt, stop_ids
+from ..target.kv import new_cache
 from .batch import TargetBatch
 from .calibrate import apply_temperatures
 from .prompts import Conversation

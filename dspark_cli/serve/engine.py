@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from ..errors import DsparkError
-from ..target.capture import cache_kwarg, new_cache, stack_left_padded
+from ..target.capture import cache_kwarg, stack_left_padded
 from ..target.chat import render_prompt
+from ..target.kv import new_cache, plain_layers
 from ..target.model import Target
 from .sampling import SamplingParams, sample
 
@@ -60,8 +61,7 @@ class _Running:
     @property
     def joinable(self) -> bool:
         """Stacking caches needs plain per-layer key/value tensors (DynamicCache of full attention)."""
-        layers = getattr(self.cache, "layers", None)
-        return bool(layers) and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
+        return plain_layers(self.cache)
 
 
 def _merge(a: _Running | None, b: _Running | None) -> _Running | None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..sample import Sample
+from .kv import new_cache
 
 
 @functools.lru_cache(maxsize=64)
@@ -26,13 +27,6 @@ def _cache_kwarg_of(forward: Any) -> str:
 def cache_kwarg(module: Any) -> str:
     """Transformers 5 renamed the forward's `past_key_values` to `cache`; the name `module` takes."""
     return _cache_kwarg_of(type(module).forward)
-
-
-def new_cache(config: Any = None) -> Any:
-    """An empty KV cache (DynamicCache), sized by `config` when given."""
-    from transformers import DynamicCache
-
-    return DynamicCache(config=config) if config is not None else DynamicCache()
 
 
 def stack_left_padded(cache: Any, attention: torch.Tensor, other: Any,
