@@ -5,7 +5,8 @@
 Trains nothing itself (the Makefile trains pipelines/smollm2-135m-dflash-fill-in.toml on the demo's
 cache first). Then, on the demo's held-out prompts (the pipeline's eval datasets and limit) at the
 pipeline's temperature and max_new_tokens:
-  1. `dspark eval` → τ (tokens per round, bonus included) and dspark's own tokens/s;
+  1. `dspark eval` → τ (tokens per round, bonus included) and dspark's own tokens/s, drafting from
+     the whole vocabulary as vLLM's DFlash does (the pipeline's `eval.draft_top_k = 0`);
   2. vLLM's OpenAI server on the target alone → tokens/s;
   3. vLLM with `--speculative-config {"method": "dflash", …}` → tokens/s and vLLM's own counters
      from /metrics: drafts, draft tokens, accepted tokens (τ = 1 + accepted / drafts), per position.
