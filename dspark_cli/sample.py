@@ -25,6 +25,12 @@ class Sample:
     split: str = "train"
 
     @property
+    def nbytes(self) -> int:
+        """Memory the sample's tensors hold."""
+        return sum(t.numel() * t.element_size() for t in (self.input_ids, self.loss_mask, self.hidden_states,
+                                                           self.final_hidden) if t is not None)
+
+    @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 

@@ -276,8 +276,9 @@ class CacheDataset(torch.utils.data.Dataset):
 
     def _keep(self, i: int, item: Sample) -> None:
         """Hold a decoded sample while the memory budget lasts (readers never modify samples)."""
-        size = sum(t.numel() * t.element_size() for t in (item.input_ids, item.loss_mask, item.hidden_states,
-                                                           item.final_hidden) if t is not None)
+        if self._kept_bytes >= self.memory_bytes:  # no budget, or spent: nothing to weigh
+            return
+        size = item.nbytes
         with self._lock:
             if i not in self._kept and self._kept_bytes + size <= self.memory_bytes:
                 self._kept[i] = item

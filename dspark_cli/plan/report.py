@@ -128,6 +128,11 @@ def step_memory(cfg: PipelineConfig, c: DrafterConfig, target: TargetShape, data
     half = 2 if bf16 else 4
     rank = c.markov_rank if c.markov_head_type != "none" else 0
     frozen = params.frozen * 4 + (c.vocab_size * (c.hidden_size + rank) * half if bf16 else 0)
+    kept = 0  # host memory: the device's only on CPU, and only a cache is read (and kept)
+    if cluster.device_type == "cpu" and not online:
+        split_bytes = train_samples(cfg, data) * memory.sample_bytes(c, data.tokens_per_sample,
+                                                                       data.loss_tokens_per_sample)
+        kept = min(tc.cache_memory_mb * 2**20, split_bytes)
     online_target = 0
     if online:
         d = target.hidden_size
@@ -142,10 +147,7 @@ def step_memory(cfg: PipelineConfig, c: DrafterConfig, target: TargetShape, data
         batches=(1 + tc.prefetch_batches) * memory.batch_bytes(c, context, blocks),
         online_target=online_target, runtime=memory.RUNTIME_BYTES[cluster.device_type],
         ddp_buckets=params.trainable * 4 if cluster.gpus > 1 else 0,
-        checkpoint=params.trainable * 8 if cluster.device_type == "cpu" else 0,
-        kept=(min(tc.cache_memory_mb * 2**20, train_samples(cfg, data) * memory.sample_bytes(
-            c, data.tokens_per_sample, data.loss_tokens_per_sample))
-              if cluster.device_type == "cpu" and not online else 0))
+        checkpoint=params.trainable * 8 if cluster.device_type == "cpu" else 0, kept=kept)
 
 
 def step_flops(cfg: PipelineConfig, c: DrafterConfig, data: Data) -> StepFlops:

@@ -33,8 +33,8 @@ class TrainSettings(Section):
     #: Micro-batches made ahead in a background thread (online: the target's forwards), 0: none.
     prefetch_batches: int = 2
     #: Decoded cache samples kept in memory, up to this many MB: a cache that fits is read and
-    #: decoded once instead of every epoch (on 2 cores the reads ran beside each step and slowed
-    #: the demo's steps from ~1.0 to ~1.9 s). 0: read every time. Speed only.
+    #: decoded once instead of every epoch (on 2 cores the reads ran beside each step: the demo's
+    #: steps took 1.4-2.0 s, 1.2-1.35 s once every sample was kept). 0: read every time. Speed only.
     cache_memory_mb: int = 2048
     #: Anchors drawn per sequence (without replacement, seeded).
     num_anchors: int = 512

@@ -1,8 +1,8 @@
 """The KV cache every decoding loop uses: Transformers' DynamicCache, grown in place.
 
 DynamicCache appends a step's keys/values with `torch.cat`, so every step copies the whole cache of
-every layer into fresh memory. On 2 CPU cores that copy ran at ~0.6 GB/s for bf16 (60 layer
-tensors of [32, 3, 400, 64]: ~470 ms a step, more than the step's own matmuls in `dspark serve`).
+every layer into fresh memory: for `dspark serve`'s 32 rows of SmolLM2 at 400 positions (60 layer
+tensors of [32, 3, 400, 64] bf16) 25.6 ms a step on 2 idle cores, against 0.66 ms written in place.
 `GrowingLayer` keeps each layer's keys/values in a buffer with room at the end (doubling when
 full) and returns views of it, so a step writes only its new positions.
 
@@ -48,13 +48,17 @@ def append_in_place(view: torch.Tensor, buffer: torch.Tensor | None,
 class GrowingLayer(DynamicLayer):
     """A DynamicLayer whose update writes into preallocated room instead of concatenating."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        keys, values = getattr(self, "_key_buffer", None), getattr(self, "_value_buffer", None)
-        self.keys, self._key_buffer = append_in_place(self.keys, keys, key_states)
-        self.values, self._value_buffer = append_in_place(self.values, values, value_states)
+        self.keys, self._key_buffer = append_in_place(self.keys, self._key_buffer, key_states)
+        self.values, self._value_buffer = append_in_place(self.values, self._value_buffer, value_states)
         return self.keys, self.values
 
     def reset(self) -> None:
