@@ -79,12 +79,16 @@ def child(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     drafter = DSparkDrafter(config)
     attach_frozen(drafter, args.target)
-    fast = args.path == "fast"
+    fast = args.path in ("fast", "fast-eager")
+    compiled = False
     if fast:  # as the trainer does under train.fast_kernels on CPU
         from dspark_cli.train.host_memory import keep_freed_memory
+        from dspark_cli.train.vocab_kernel import wanted
 
         keep_freed_memory()
-    module = DrafterLoss(drafter, LossWeights(), chunk_blocks=args.chunk, fast_kernels=fast)
+        compiled = args.path == "fast" and wanted("auto", torch.device("cpu"))
+    module = DrafterLoss(drafter, LossWeights(), chunk_blocks=args.chunk, fast_kernels=fast,
+                         compile_vocab=compiled)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4,
                                   fused=fast or None)  # as the trainer makes it
     anchors = sample_anchors(loss_mask, ANCHORS, anchor_generator(0, 0, 0))
@@ -101,10 +105,14 @@ def child(args: argparse.Namespace) -> None:
         optimizer.zero_grad(set_to_none=True)
         return float(loss)
 
+    t0 = time.perf_counter()
+    first_loss = step()  # warm-up: compile (compile_vocab), allocator, optimizer state, packed weights
+    first_step = time.perf_counter() - t0
+    # A second warm-up, counting FLOPs (the compiled kernel runs eagerly under the counter, so the
+    # first step compiles it outside); the heap also settles (train/host_memory.py).
     with FlopCounterMode(display=False) as counter:
-        first_loss = step()  # warm-up (allocator, optimizer state, packed weights) and the FLOP count
+        step()
     flops = counter.get_total_flops()
-    step()  # a second warm-up: the heap settles into its layout (train/host_memory.py)
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -113,7 +121,9 @@ def child(args: argparse.Namespace) -> None:
     # The median step: this VM's speed drifts by tens of percent between minutes, and one slow
     # step would otherwise decide the figure (the trainer runs hundreds of them).
     per_step = statistics.median(times)
-    print(json.dumps({"path": args.path, "chunk_blocks": args.chunk, "anchors": batch.num_blocks,
+    compiled = compiled and not module.workspace.kernel.failed
+    print(json.dumps({"path": args.path, "compiled": compiled, "first_step_seconds": first_step,
+                      "chunk_blocks": args.chunk, "anchors": batch.num_blocks,
                       "gamma": GAMMA, "draft_layers": args.draft_layers, "threads": args.threads,
                       "steps": args.steps, "precision": args.precision, "flops_per_step": flops,
                       "steps_per_s": 1 / per_step, "achieved_tflops": flops / per_step / 1e12,
@@ -149,7 +159,8 @@ def main() -> None:
                         help="bf16 autocast (the demo's setting), fp32, or auto: bf16 where the CPU has "
                              "native bf16 (AVX512-BF16/AMX), else fp32")
     parser.add_argument("--paths", default="fast,earlier",
-                        help="train.fast_kernels settings to compare: fast (true), earlier (false)")
+                        help="settings to compare: fast (train.fast_kernels, compile_vocab auto), "
+                             "fast-eager (fast_kernels, compile_vocab false), earlier (fast_kernels false)")
     parser.add_argument("--chunks", default="64", help="loss_chunk_blocks settings to compare (0 = off)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--path", default="fast", help=argparse.SUPPRESS)
@@ -190,7 +201,9 @@ def main() -> None:
                 chunking = f"chunk {chunk} blocks" if chunk else "no chunking"
                 print(f"bench-train{tag} steps_per_s={r['steps_per_s']:.4f} achieved_tflops="
                       f"{r['achieved_tflops']:.4f} peak_tflops={peak:.4f}", flush=True)
-                print(f"  fast_kernels={'true' if path == 'fast' else 'false'}, {chunking}: "
+                kernels = {"fast": f"true, compile_vocab={'true' if r['compiled'] else 'false'}",
+                           "fast-eager": "true, compile_vocab=false"}.get(path, "false")
+                print(f"  fast_kernels={kernels}, {chunking}: first step {r['first_step_seconds']:.1f} s, "
                       f"{r['seconds_per_step']:.2f} s/step (median of {r['step_seconds']}), "
                       f"{r['flops_per_step'] / 1e9:.0f} GFLOP/step "
                       f"(FlopCounterMode), {r['anchor_slots_per_s']:.0f} anchor-slots/s, peak RSS "

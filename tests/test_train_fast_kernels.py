@@ -1,5 +1,6 @@
 """train.fast_kernels: the vocabulary-wide loss through `vocab_fast` gives the loss, statistics and
-gradients of the earlier path (fast_kernels = false), for every head kind, in fp32 and bf16."""
+gradients of the earlier path (fast_kernels = false), for every head kind, in fp32 and bf16, with
+its elementwise passes eager or compiled by TorchInductor (train.compile_vocab)."""
 
 from __future__ import annotations
 
@@ -35,21 +36,29 @@ def batch(tiny_qwen3_target):
     return pack(samples, anchors, config)
 
 
-def run(drafter, batch, weights, fast: bool, bf16: bool, chunk: int = 3):
+def run(drafter, batch, weights, fast: bool, bf16: bool, chunk: int = 3, compiled: bool = False):
     drafter.zero_grad(set_to_none=True)
-    module = DrafterLoss(drafter, weights, chunk_blocks=chunk, fast_kernels=fast)
+    module = DrafterLoss(drafter, weights, chunk_blocks=chunk, fast_kernels=fast, compile_vocab=compiled)
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
     with ctx:
         loss, stats = module(batch, dense_mask(batch.layout))
     loss.backward()
     grads = {k: p.grad.clone() for k, p in drafter.named_parameters() if p.grad is not None}
+    assert not compiled or not module.workspace.kernel.failed  # the compiled kernel really ran
     return loss.detach(), stats, grads
 
 
-@pytest.mark.parametrize("head,confidence,weights", HEADS,
-                         ids=[f"{h}-{'conf' if c else 'noconf'}" for h, c, _ in HEADS])
+#: The compiled kernel on one case per graph it compiles: a per-token bias, a per-row one folded into
+#: the logits (each with CE + TV), and CE alone without a Markov head. Each compile costs seconds.
+CASES = [(*h, False) for h in HEADS] + [(*HEADS[i], True) for i in (0, 2, 6)]
+
+
+@pytest.mark.parametrize("head,confidence,weights,compiled", CASES,
+                         ids=[f"{h}-{'conf' if c else 'noconf'}{'-compiled' if k else ''}"
+                              for h, c, _, k in CASES])
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_fast_kernels_match_the_earlier_path(tiny_qwen3_target, batch, head, confidence, weights, bf16):
+def test_fast_kernels_match_the_earlier_path(tiny_qwen3_target, batch, head, confidence, weights, compiled,
+                                             bf16):
     torch.manual_seed(1)
     drafter = DSparkDrafter(drafter_config(tiny_qwen3_target, markov_head_type=head,
                                            enable_confidence_head=confidence))
@@ -60,7 +69,7 @@ def test_fast_kernels_match_the_earlier_path(tiny_qwen3_target, batch, head, con
     states = batch.target_hidden.reshape(-1, batch.target_hidden.shape[-1])
     assert torch.unique(states, dim=0).shape[0] < states.shape[0]
     ref_loss, ref_stats, ref_grads = run(drafter, batch, weights, fast=False, bf16=bf16)
-    loss, stats, grads = run(drafter, batch, weights, fast=True, bf16=bf16)
+    loss, stats, grads = run(drafter, batch, weights, fast=True, bf16=bf16, compiled=compiled)
     tol = 2e-2 if bf16 else 1e-5  # bf16: sums rounded in another order
     assert abs(float(loss) - float(ref_loss)) <= tol * abs(float(ref_loss))
     for k in ("ce", "tv", "conf_bce", "slot_accept_sum", "slot_survive_sum", "slot_count"):
@@ -122,3 +131,53 @@ def test_a_layout_that_is_not_block_by_block_keeps_the_dense_mask(batch):
     layout = batch.layout
     shuffled = type(layout)(**{**layout.__dict__, "query_block": layout.query_block.flip(0)})
     assert isinstance(split_mask(shuffled), torch.Tensor)
+
+
+def test_a_kernel_that_fails_to_compile_falls_back_to_the_eager_passes(tiny_qwen3_target, batch,
+                                                                       monkeypatch, capsys):
+    """A machine without a working C++ compiler (the one thing not made to fail here for real:
+    Inductor's on-disk cache may already hold the kernel) trains on, with one warning."""
+    from dspark_cli.train import vocab_kernel
+
+    def no_compiler(fn, **_):
+        def call(*args, **kwargs):
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
+        return call
+
+    monkeypatch.setattr(vocab_kernel.torch, "compile", no_compiler)
+    torch.manual_seed(1)
+    drafter = DSparkDrafter(drafter_config(tiny_qwen3_target))
+    attach_frozen(drafter, str(tiny_qwen3_target))
+    eager_loss, _, eager_grads = run(drafter, batch, LossWeights(), fast=True, bf16=False)
+    drafter.zero_grad(set_to_none=True)
+    module = DrafterLoss(drafter, LossWeights(), chunk_blocks=3, compile_vocab=True)
+    for _ in range(2):  # the second pass does not try again
+        loss, _ = module(batch, dense_mask(batch.layout))
+    assert module.workspace.kernel.failed
+    assert torch.equal(loss.detach(), eager_loss)
+    err = capsys.readouterr().err
+    assert err.count("compiling the loss kernel failed") == 1 and "No working C++ compiler" in err
+    assert "more detail" not in err and "Traceback" not in err
+
+
+def test_compile_vocab_setting(monkeypatch):
+    from dspark_cli.train import vocab_kernel
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(vocab_kernel, "compiler_found", lambda: True)
+    assert vocab_kernel.wanted("auto", cpu) and not vocab_kernel.wanted("auto", cuda)
+    assert vocab_kernel.wanted(True, cuda) and not vocab_kernel.wanted(False, cpu)
+    monkeypatch.setattr(vocab_kernel, "compiler_found", lambda: False)
+    assert not vocab_kernel.wanted("auto", cpu)
+
+
+def test_a_bad_compile_vocab_is_one_line_through_the_entry_point():
+    from fixtures.cli import run_dspark
+
+    proc = run_dspark("pipeline", "show", "pipelines/smollm2-135m.toml",
+                      "--set", "train.compile_vocab=sometimes")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == ('error: --set train.compile_vocab=sometimes: train.compile_vocab must be '
+                                   'true, false or "auto", got \'sometimes\'.')
+    assert run_dspark("pipeline", "show", "pipelines/smollm2-135m.toml", "--set",
+                      "train.compile_vocab=false").returncode == 0

@@ -11,7 +11,7 @@ SOURCES = ("cache", "online")
 #: Where a fresh Markov head's W1 rows start (model/markov_init.py).
 MARKOV_INITS = ("random", "embedding")
 #: Keys that change how fast training runs, not what it computes (left out of the stage config).
-RUNTIME_KEYS = ("prefetch_batches", "fast_kernels", "cache_memory_mb")
+RUNTIME_KEYS = ("prefetch_batches", "fast_kernels", "compile_vocab", "cache_memory_mb")
 #: Keys added after a release, with the value that reproduces it: left out of the stage config at
 #: that value, so a run of that release still resumes and is still reused.
 EARLIER_BEHAVIOUR = {"init_output_gain": 1.0, "output_norm_lr_scale": 1.0, "fit_confidence_bias": False,
@@ -62,6 +62,11 @@ class TrainSettings(Section):
     #: glibc (train/host_memory.py). false: the earlier kernels (`make bench-train` compares both).
     #: Speed only: left out of the stage config.
     fast_kernels: bool = True
+    #: With fast_kernels, the loss chunk's elementwise passes over [rows, V] as one kernel compiled
+    #: by TorchInductor (train/vocab_kernel.py): on 2 cores a demo chunk took 107 ms against 179.
+    #: "auto": on CPU where a C++ compiler is found; true/false: always/never. A kernel that fails
+    #: to compile falls back to the eager passes with a warning. Speed only.
+    compile_vocab: bool | str = "auto"
     save_every: int = 500
     keep_last: int = 3
     log_every: int = 10
@@ -110,6 +115,8 @@ class TrainSettings(Section):
             self.fail("source", f"must be one of {', '.join(SOURCES)}, got {self.source!r}.")
         if self.prefetch_batches < 0:
             self.fail("prefetch_batches", f"must be >= 0 (0: no prefetch), got {self.prefetch_batches}.")
+        if isinstance(self.compile_vocab, str) and self.compile_vocab != "auto":
+            self.fail("compile_vocab", f"must be true, false or \"auto\", got {self.compile_vocab!r}.")
         if self.cache_memory_mb < 0:
             self.fail("cache_memory_mb", f"must be >= 0 (0: keep nothing), got {self.cache_memory_mb}.")
         if self.num_anchors <= 0:

@@ -30,6 +30,7 @@ from torch import nn
 from ..model.drafter import DSparkDrafter
 from .blocks import PackedBatch
 from .vocab_fast import Packed, VocabWorkspace, fast_vocab_terms
+from .vocab_kernel import VocabKernel
 
 
 @dataclass
@@ -260,14 +261,16 @@ class DrafterLoss(nn.Module):
     """Drafter + loss in one module, so DDP wraps a single forward(batch) → (loss, stats)."""
 
     def __init__(self, drafter: DSparkDrafter, weights: LossWeights, chunk_blocks: int = 64,
-                 detach_confidence_inputs: bool = False, fast_kernels: bool = True) -> None:
+                 detach_confidence_inputs: bool = False, fast_kernels: bool = True,
+                 compile_vocab: bool = False) -> None:
         super().__init__()
         self.drafter = drafter
         self.weights = weights
         self.chunk_blocks = chunk_blocks
         #: The vocabulary-wide terms through `vocab_fast` (train.fast_kernels); False: the fused path.
         self.fast_kernels = fast_kernels
-        self.workspace = VocabWorkspace()
+        #: compile_vocab: the fast path's elementwise passes as one compiled kernel (vocab_kernel.py).
+        self.workspace = VocabWorkspace(VocabKernel() if compile_vocab and fast_kernels else None)
         #: The BCE reaches only the confidence head's own weights (train.detach_confidence_inputs).
         self.detach_confidence_inputs = detach_confidence_inputs
         self._head_cache: tuple[tuple, torch.Tensor] | None = None

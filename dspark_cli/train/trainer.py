@@ -44,6 +44,7 @@ from ..target.files import load_config, num_layers
 from ..target.identity import config_hash
 from ..target.layers import agree_layers, resolve_layers
 from . import checkpoint as ckpt
+from . import vocab_kernel
 from .confidence_bias import flatten_slots, held_out_shift
 from .data import BatchMaker, StepPlan, plan_items
 from .host_memory import keep_freed_memory
@@ -228,7 +229,8 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     weights = LossWeights(tc.ce_weight, tc.tv_weight, tc.conf_weight, tc.gamma_decay)
     module: torch.nn.Module = DrafterLoss(drafter, weights, tc.loss_chunk_blocks,
                                           detach_confidence_inputs=tc.detach_confidence_inputs,
-                                          fast_kernels=tc.fast_kernels)
+                                          fast_kernels=tc.fast_kernels,
+                                          compile_vocab=vocab_kernel.wanted(tc.compile_vocab, device))
     if world.world_size > 1:
         module = torch.nn.parallel.DistributedDataParallel(
             module, device_ids=[device.index] if device.type == "cuda" else None)

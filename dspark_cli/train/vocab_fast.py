@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from .vocab_kernel import VocabKernel
+
 _F32 = torch.float32
 
 
@@ -75,7 +77,9 @@ class Packed:
 class VocabWorkspace:
     """The prepacked frozen head and the reused [rows, V] buffers of one DrafterLoss."""
 
-    def __init__(self) -> None:
+    def __init__(self, kernel: VocabKernel | None = None) -> None:
+        #: The compiled elementwise kernel (train.compile_vocab), None: the eager passes below.
+        self.kernel = kernel
         self._head_key: tuple | None = None
         self._head: Packed | None = None
         self._markov: Packed | None = None
@@ -167,6 +171,11 @@ def fast_vocab_terms(ws: VocabWorkspace, head: Packed, w2: Packed | None,
     (float32, every chunk into the same tensor: a fresh [V, r] product per chunk cost more in page
     faults than its multiplication).
     """
+    if ws.kernel is not None and not ws.kernel.failed:
+        out = _compiled_vocab_terms(ws, head, w2, hidden, z, z_index, target_hidden, labels, weight,
+                                    ce_coef, tv_coef, need_grad, grad_w2)
+        if out is not None:
+            return out
     n, gamma, _ = hidden.shape
     rows, cdt, device = n * gamma, head.dtype, hidden.device
     vocab = head.vocab
@@ -222,3 +231,54 @@ def fast_vocab_terms(ws: VocabWorkspace, head: Packed, w2: Packed | None,
     gt = ws.narrow(per_token, cdt)
     ws.mm_into(grad_w2, gt.t(), zc, accumulate=True, stage="stage_w2")
     return ce_sum, tv_sum, c_star, (grad_hidden, torch.mm(gt, w2.backward_operand()).to(z.dtype))
+
+
+def _compiled_vocab_terms(ws: VocabWorkspace, head: Packed, w2: Packed | None, hidden: torch.Tensor,
+                          z: torch.Tensor | None, z_index: torch.Tensor | None,
+                          target_hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
+                          ce_coef: float, tv_coef: float, need_grad: bool,
+                          grad_w2: torch.Tensor | None) -> tuple | None:
+    """`fast_vocab_terms` with its elementwise passes in `ws.kernel`; None if that failed to compile.
+
+    The matmuls write the matmul dtype into reused buffers; the kernel reads them once per pass
+    and writes the gradient in the matmul dtype for the backward products. A per-row Markov term
+    (gated/RNN heads) is accumulated into the logits by the product itself; a vanilla one is
+    computed per distinct token and indexed by the kernel. Its ∂/∂z and ∂/∂W2 are taken over the
+    rows (the products then sum over each token's rows) instead of summing [rows, V] per token first.
+    """
+    n, gamma, _ = hidden.shape
+    rows, cdt, device, vocab = n * gamma, head.dtype, hidden.device, head.vocab
+    h = hidden.reshape(rows, -1).to(cdt)
+    logits = ws.buffer("logits", rows, vocab, cdt, device)
+    torch.mm(h, head.forward_operand(), out=logits)
+    zc = z.to(cdt) if z is not None else None
+    bias = z_rows = None
+    if z is not None and z_index is None:
+        z_rows = zc.reshape(rows, -1)
+        torch.addmm(logits, z_rows, w2.forward_operand(), out=logits)
+    elif z is not None:
+        bias = ws.buffer("bias", zc.shape[0], vocab, cdt, device, reserve_rows=rows)
+        torch.mm(zc, w2.forward_operand(), out=bias)
+        z_rows = zc[z_index]
+    states, state_index = torch.unique(target_hidden.reshape(rows, -1), dim=0, return_inverse=True)
+    target_logits = ws.buffer("target_logits", states.shape[0], vocab, cdt, device, reserve_rows=rows)
+    torch.mm(states.to(cdt), head.forward_operand(), out=target_logits)
+    w = weight.reshape(-1).float()
+    out = ws.kernel(logits, bias, z_index, target_logits, state_index, labels.reshape(-1), w,
+                    ce_coef, tv_coef, cdt if need_grad else None)
+    if out is None:
+        return None
+    ce, tv, grad = out
+    ce_sum, tv_sum = (w * ce).sum(), (w * tv).sum()
+    c_star = (1.0 - tv).clamp(0.0, 1.0).view(n, gamma)
+    if not need_grad:
+        return ce_sum, tv_sum, c_star, None
+    grad_hidden = torch.mm(grad, head.backward_operand()).view(n, gamma, -1).to(hidden.dtype)
+    if z is None:
+        return ce_sum, tv_sum, c_star, (grad_hidden, None)
+    grad_z_rows = torch.mm(grad, w2.backward_operand())  # [rows, r]
+    ws.mm_into(grad_w2, grad.t(), z_rows, accumulate=True, stage="stage_w2")
+    if z_index is None:
+        return ce_sum, tv_sum, c_star, (grad_hidden, grad_z_rows.view(n, gamma, -1).to(z.dtype))
+    grad_z = torch.zeros(zc.shape, dtype=_F32, device=device).index_add_(0, z_index, grad_z_rows.float())
+    return ce_sum, tv_sum, c_star, (grad_hidden, grad_z.to(z.dtype))

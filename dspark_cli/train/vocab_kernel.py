@@ -1,0 +1,104 @@
+"""The vocabulary-wide elementwise work of a loss chunk as one compiled kernel (train.compile_vocab).
+
+After the matmuls, `vocab_fast` turns the [rows, V] logits into CE, TV and their gradient with
+about 25 eager passes over float32 [rows, V] buffers (softmax, gather, difference, norm, sign,
+products, the one-hot subtraction, the cast for the backward matmuls). On the 2-core VM those
+took ~110 ms of a ~180 ms chunk of the demo's shape ([336, 49152]), the matmuls ~57. Compiled by
+TorchInductor into a few vectorised loops that read the bf16 logits and recompute exp instead of
+storing it, the same work took ~37 ms: the chunk ~107 ms (`make bench-train` measures the step).
+
+Inductor needs a C++ compiler on CPU. "auto" compiles on CPU where one is found (the first chunk
+then waits ~15-30 s for the compile; TorchInductor caches it on disk for later processes); any
+failure to compile falls back to the eager kernels with one warning, never ending the run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+
+import torch
+import torch.fx.experimental._config as fx_config
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from ..console import console
+
+
+def _terms(logits: torch.Tensor, bias: torch.Tensor | None, bias_index: torch.Tensor | None,
+           target_logits: torch.Tensor, state_index: torch.Tensor, labels: torch.Tensor,
+           weight: torch.Tensor, ce_coef: float, tv_coef: float, grad_dtype: torch.dtype | None,
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """CE and TV per row and ∂(ce_coef·ΣwCE + tv_coef·ΣwTV)/∂logits: `vocab_fast`'s maths.
+
+    logits [R, V] (lm_head·h, the matmul dtype); bias the Markov term added to them, [U, V] with
+    bias_index [R] naming each row's (None: no Markov head); target_logits [S, V] of the chunk's
+    distinct target states, state_index [R] naming each row's; labels, weight [R]. grad_dtype None:
+    no gradient (evaluation).
+    """
+    x = logits.float()
+    if bias is not None:
+        x = x + bias[bias_index].float()
+    top = x.amax(-1, keepdim=True)
+    e = torch.exp(x - top)
+    total = e.sum(-1, keepdim=True)
+    p = e / total
+    ce = (top + total.log() - x.gather(-1, labels[:, None])).squeeze(-1)  # −log p[y]
+    diff = p - torch.softmax(target_logits.float(), dim=-1)[state_index]
+    tv = 0.5 * diff.abs().sum(-1)
+    if grad_dtype is None:
+        return ce, tv, None
+    w = weight[:, None]
+    if tv_coef != 0.0:
+        s = torch.sign(diff)
+        m = (s * p).sum(-1, keepdim=True)
+        grad = p * ((0.5 * tv_coef) * s + (ce_coef - 0.5 * tv_coef * m)) * w
+    else:
+        grad = p * (ce_coef * w)
+    columns = torch.arange(x.shape[-1], device=x.device)
+    grad = grad - torch.where(columns[None, :] == labels[:, None], ce_coef * w, 0.0)
+    return ce, tv, grad.to(grad_dtype)
+
+
+def compiler_found() -> bool:
+    """A C++ compiler for Inductor's CPU kernels ($CXX, else g++, c++ or clang++ on PATH)."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    return any(shutil.which(name) for name in names)
+
+
+def wanted(setting: bool | str, device: torch.device) -> bool:
+    """Whether train.compile_vocab = `setting` compiles on `device`: true always, false never,
+    "auto" on CPU where a C++ compiler is found (not on CUDA, where it has not been measured)."""
+    if isinstance(setting, bool):
+        return setting
+    return device.type == "cpu" and compiler_found()
+
+
+class VocabKernel:
+    """`_terms` compiled once per process (dynamic row counts), or None from `__call__` once it
+    failed to compile: the caller then takes its eager kernels."""
+
+    def __init__(self) -> None:
+        self._compiled: Callable | None = None
+        self.failed = False
+
+    def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        if self.failed:
+            return None
+        if _get_current_dispatch_mode() is not None:
+            # Under a dispatch mode (FlopCounterMode: bench-train's FLOP count) the same maths
+            # eagerly: a compiled kernel that once ran under one stays ~4x slower afterwards.
+            return _terms(*args, **kwargs)
+        if self._compiled is None:
+            self._compiled = torch.compile(_terms, dynamic=True)
+        try:
+            # Duck sizing would tie the distinct-state and distinct-token counts together whenever
+            # they happen to be equal: a second, specialised compile (3x slower on bench-train).
+            with fx_config.patch(use_duck_shape=False):
+                return self._compiled(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 — any compile failure: the eager kernels are exact
+            self.failed = True
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            console.print(f"[yellow]warning:[/] train.compile_vocab: compiling the loss kernel failed "
+                          f"({first[:200]}); using the eager kernels (same maths, slower).")
+            return None
