@@ -1,8 +1,9 @@
 """`make bench-cache`: the target cache on the real SmolLM2-135M-Instruct (30 layers, hidden 576).
 
 Prints bytes per token against the reference layout `6 + 2·H·(L+1)`, build time with writing
-against forward-only time, and the training reader's throughput. Goals: lossless ≤ 0.80× the
-reference, fp8 ≤ 0.45×, build ≤ 1.15× forward-only.
+against forward-only time, the time to open a shard in both index layouts, and the training
+reader's throughput. Goals: lossless ≤ 0.80× the reference, fp8 ≤ 0.45×, build ≤ 1.15×
+forward-only.
 
 Responses: no inference server runs here, so the benchmark regenerates them itself: greedy,
 short (`--max-new-tokens`) answers by the same SmolLM2 to GSM8K test prompts, written as a
@@ -25,7 +26,7 @@ import torch
 
 from dspark_cli.cache import store
 from dspark_cli.cache.build import assemble, build_cache
-from dspark_cli.cache.reader import CacheDataset, ShardLocalSampler
+from dspark_cli.cache.reader import CacheDataset, ShardLocalSampler, _Shard
 from dspark_cli.config import load_config
 from dspark_cli.data.io import RESPONSE_SCHEMA, shard_name, write_table
 from dspark_cli.target.layers import resolve_layers
@@ -99,6 +100,27 @@ def forward_only(cfg, responses: str) -> tuple[float, list, int]:
     return time.perf_counter() - t0, shards, tokens
 
 
+def shard_open_ms(work: Path, data: store.ShardData, whole_index: bool, repeats: int = 20) -> float:
+    """Median time to open one shard (metadata + the index arrays read whole) in either layout of
+    the index arrays: one chunk each (today) or 64-row chunks (caches written before)."""
+    saved = store.WHOLE_INDEX
+    store.WHOLE_INDEX = whole_index
+    try:
+        objects = store.encode_shard(data, "bf16", "zstd", 64, {"shard_index": 0})
+    finally:
+        store.WHOLE_INDEX = saved
+    url = str(work / f"open-{'whole' if whole_index else 'chunked'}")
+    shutil.rmtree(url, ignore_errors=True)
+    store.write_shard(url, objects, {})
+    _Shard(url)  # first open: file-system caches
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _Shard(url)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=200)
@@ -159,8 +181,13 @@ def main() -> None:
           f"{built / ref_per_token:.3f}× reference (goal ≤ 0.80×); fp8 blosc "
           f"{figures[('fp8', 'blosc')] / ref_per_token:.3f}× (goal ≤ 0.45×)")
     print(f"forward-only (load + render + forward): {fwd_s:.1f} s; build with writing: {build_s:.1f} s "
-          f"= {build_s / fwd_s:.3f}× (goal ≤ 1.15×); writer thread busy {result['write_s']:.1f} s, "
-          f"forward waited on it {result['wait_s']:.2f} s")
+          f"= {build_s / fwd_s:.3f}× (goal ≤ 1.15×); writer thread busy {result.summary['write_s']:.1f} s, "
+          f"forward waited on it {result.summary['wait_s']:.2f} s")
+
+    first = assemble(type("J", (), {"samples": shards[0]})(), "bf16", layers, d)
+    print(f"shard open ({len(shards[0])} samples, {len(first.input_ids):,} tokens): index arrays as one "
+          f"chunk each {shard_open_ms(work, first, True):.1f} ms, in 64-row chunks (caches before) "
+          f"{shard_open_ms(work, first, False):.1f} ms (median of 20)")
 
     ds = CacheDataset(str(out), expect_layers=layers)
     sampler = ShardLocalSampler(ds, seed=0)

@@ -367,3 +367,27 @@ def test_a_cache_without_chunk_checksums_reads_unverified_and_says_so_once(local
     storage.write_bytes(chunk, bytes(data))
     with pytest.raises(DsparkError, match=r"shard-00000: array 'input_ids' is corrupt \(a chunk does not"):
         CacheDataset(out)[0]
+
+
+def test_the_arrays_an_open_reads_whole_are_one_chunk_and_older_shards_read_the_same(
+        local_cache, tiny_qwen3_target, responses, memory_url, monkeypatch):
+    """Opening a shard reads its ids, mask and offsets whole: one inner chunk each, the states in
+    CHUNK_TOKENS rows; a cache written in the earlier layout (every array in 64-row chunks) reads
+    the same samples."""
+    from dspark_cli.cache.build import CHUNK_TOKENS
+
+    group, _ = store.shard_arrays(storage.join(local_cache, "shards", "shard-00000"))
+    for name in store.INDEX_ARRAYS:
+        assert group[name].chunks == group[name].shape, name
+    assert group["input_ids"].shape[0] > CHUNK_TOKENS  # the case this layout exists for
+    assert group["hidden"].chunks[0] == CHUNK_TOKENS
+    monkeypatch.setattr(store, "WHOLE_INDEX", False)
+    out = storage.join(memory_url, "chunked-ids")
+    build_cache(config(tiny_qwen3_target), responses, out, quiet=True)
+    old, _ = store.shard_arrays(storage.join(out, "shards", "shard-00000"))
+    assert old["input_ids"].chunks[0] == CHUNK_TOKENS
+    a, b = CacheDataset(out), CacheDataset(local_cache)
+    for i in range(len(b)):
+        x, y = a[i], b[i]
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
+        assert torch.equal(x.hidden_states, y.hidden_states) and torch.equal(x.final_hidden, y.final_hidden)

@@ -85,9 +85,8 @@ class _Shard:
             raise _BadChunk("zarr.json", e) from e
         self.verified = all(store.chunk_checksummed(arr) for arr in self.arrays.values())
         # The small per-token arrays (5 bytes/token) are read whole once; states per sample.
-        names = ("offsets", "final_offsets", "input_ids", "loss_mask")
         self.offsets, self.final_offsets, self.input_ids, self.loss_mask = _read_all(
-            {name: self.arrays[name] for name in names})
+            {name: self.arrays[name] for name in store.INDEX_ARRAYS})
         self.sample_ids: list[str] = list(attrs["sample_ids"])
 
 
