@@ -86,7 +86,7 @@ def child(args: argparse.Namespace) -> None:
         from dspark_cli.train.vocab_kernel import wanted
 
         keep_freed_memory()
-        compiled = args.path == "fast" and wanted("auto", torch.device("cpu"))
+        compiled = args.path == "fast" and wanted("auto", torch.device("cpu"), args.precision == "bf16")
     module = DrafterLoss(drafter, LossWeights(), chunk_blocks=args.chunk, fast_kernels=fast,
                          compile_vocab=compiled)
     optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4,

@@ -165,10 +165,11 @@ def test_compile_vocab_setting(monkeypatch):
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(vocab_kernel, "compiler_found", lambda: True)
-    assert vocab_kernel.wanted("auto", cpu) and not vocab_kernel.wanted("auto", cuda)
-    assert vocab_kernel.wanted(True, cuda) and not vocab_kernel.wanted(False, cpu)
+    assert vocab_kernel.wanted("auto", cpu, True) and not vocab_kernel.wanted("auto", cuda, True)
+    assert not vocab_kernel.wanted("auto", cpu, False)  # fp32 steps: the matmuls dominate
+    assert vocab_kernel.wanted(True, cuda, False) and not vocab_kernel.wanted(False, cpu, True)
     monkeypatch.setattr(vocab_kernel, "compiler_found", lambda: False)
-    assert not vocab_kernel.wanted("auto", cpu)
+    assert not vocab_kernel.wanted("auto", cpu, True)
 
 
 def test_a_bad_compile_vocab_is_one_line_through_the_entry_point():

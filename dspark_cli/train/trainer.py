@@ -227,10 +227,10 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     if tc.fast_kernels and device.type == "cpu":
         keep_freed_memory()
     weights = LossWeights(tc.ce_weight, tc.tv_weight, tc.conf_weight, tc.gamma_decay)
+    compile_vocab = vocab_kernel.wanted(tc.compile_vocab, device, bf16_autocast(tc.precision, device))
     module: torch.nn.Module = DrafterLoss(drafter, weights, tc.loss_chunk_blocks,
                                           detach_confidence_inputs=tc.detach_confidence_inputs,
-                                          fast_kernels=tc.fast_kernels,
-                                          compile_vocab=vocab_kernel.wanted(tc.compile_vocab, device))
+                                          fast_kernels=tc.fast_kernels, compile_vocab=compile_vocab)
     if world.world_size > 1:
         module = torch.nn.parallel.DistributedDataParallel(
             module, device_ids=[device.index] if device.type == "cuda" else None)
