@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from dspark_cli.cache import store
-from dspark_cli.cache.build import assemble, build_cache
+from dspark_cli.cache.build import ShardJob, assemble, build_cache
 from dspark_cli.cache.reader import CacheDataset, ShardLocalSampler, _Shard
 from dspark_cli.config import load_config
 from dspark_cli.data.io import RESPONSE_SCHEMA, shard_name, write_table
@@ -167,8 +167,7 @@ def main() -> None:
         for codec in ("none", "zstd", "blosc"):
             stored = raw = 0
             for k, samples in enumerate(shards):
-                job = type("J", (), {"samples": samples})()
-                data = assemble(job, dtype, layers, d)
+                data = assemble(ShardJob(k, samples, {}, []), dtype, layers, d)
                 objects = store.encode_shard(data, dtype, codec, 64, {"shard_index": k})
                 stored += sum(len(b) for b in objects.values())
                 raw += sum(len(s.input_ids) for s in samples) * (5 + 2 * m * d) + \
@@ -184,7 +183,7 @@ def main() -> None:
           f"= {build_s / fwd_s:.3f}× (goal ≤ 1.15×); writer thread busy {result.summary['write_s']:.1f} s, "
           f"forward waited on it {result.summary['wait_s']:.2f} s")
 
-    first = assemble(type("J", (), {"samples": shards[0]})(), "bf16", layers, d)
+    first = assemble(ShardJob(0, shards[0], {}, []), "bf16", layers, d)
     print(f"shard open ({len(shards[0])} samples, {len(first.input_ids):,} tokens): index arrays as one "
           f"chunk each {shard_open_ms(work, first, True):.1f} ms, in 64-row chunks (caches before) "
           f"{shard_open_ms(work, first, False):.1f} ms (median of 20)")

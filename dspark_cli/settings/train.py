@@ -65,8 +65,8 @@ class TrainSettings(Section):
     #: With fast_kernels, the loss chunk's elementwise passes over [rows, V] as one kernel compiled
     #: by TorchInductor (train/vocab_kernel.py): on 2 cores a demo chunk took 107 ms against 179.
     #: "auto": on CPU with bf16 autocast steps where a C++ compiler is found (in fp32 it measured no
-    #: faster); true/false: always/never. A kernel that fails
-    #: to compile falls back to the eager passes with a warning. Speed only.
+    #: faster); true/false: always/never. A kernel that fails to compile falls back to the eager
+    #: passes with a warning. Speed only.
     compile_vocab: bool | str = "auto"
     save_every: int = 500
     keep_last: int = 3
