@@ -6,6 +6,7 @@ one line and a hint and exit 2; set DSPARK_DEBUG=1 for the traceback.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -41,18 +42,17 @@ def _root(
     """Stages: data prepare → data regen → cache build → train → calibrate → eval."""
 
 
-def _register() -> None:
-    """Import command groups lazily-safe: each module adds its commands to `app`."""
-    from .commands import register_all
-
-    register_all(app)
-
-
+@functools.cache
 def command() -> typer.core.TyperGroup:
-    """The click command tree of `app`, with the help a person reads (`commands/_help.py`)."""
+    """The click command tree of `app`, with the help a person reads (`commands/_help.py`).
+
+    Built once per process: each build registered every command into `app` again, so a process
+    calling `main` many times (the test suite) grew the tree and its build time with every call:
+    2.3 s a `--help` after a few hundred calls."""
+    from .commands import register_all
     from .commands._help import readable_help
 
-    _register()
+    register_all(app)
     tree = typer.main.get_command(app)
     readable_help(tree)
     return tree

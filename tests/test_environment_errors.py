@@ -231,6 +231,17 @@ def test_help_reads_as_words_and_lists_commands_in_pipeline_order(capsys):
         _help(["serve"], capsys)
 
 
+def test_repeated_calls_in_one_process_register_each_command_once(capsys):
+    """The tree is built once: rebuilding it per call re-registered every command (the suite slowed)."""
+    from dspark_cli.cli import app
+
+    _help(["train"], capsys)
+    registered = (len(app.registered_commands), len(app.registered_groups))
+    _help(["eval"], capsys)
+    _help(["data", "regen"], capsys)
+    assert (len(app.registered_commands), len(app.registered_groups)) == registered
+
+
 def _help(argv: list[str], capsys) -> str:
     code = 0
     try:
