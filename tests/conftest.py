@@ -22,7 +22,10 @@ from fixtures.tiny_models import build_tiny_target  # noqa: E402
 def _torch_threads():
     import torch
 
-    torch.set_num_threads(int(os.environ.get("DSPARK_TEST_THREADS", "2")))
+    # Under pytest-xdist (`make test`: two workers) one thread each, so the workers share the cores
+    # instead of oversubscribing them; alone, two.
+    default = "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2"
+    torch.set_num_threads(int(os.environ.get("DSPARK_TEST_THREADS", default)))
 
 
 @pytest.fixture(scope="session")
