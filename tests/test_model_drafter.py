@@ -315,3 +315,19 @@ def test_markov_heads_follow_the_deepspec_equations(tiny_qwen3_target, markov):
             z, state = head.step(prev[:, k], hidden[:, k], state)
             steps.append(z)
         assert torch.allclose(torch.stack(steps, 1), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocab_logits_are_the_linear_layer_s_for_every_row_count(dtype):
+    """The few-row `W · xᵀ` form (float32 CPU) gives F.linear's logits; other cases are F.linear."""
+    import torch.nn.functional as F
+
+    from dspark_cli.model.vocab_logits import FEW_ROWS, vocab_logits
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(1000, 64, generator=gen).to(dtype)
+    for rows in (1, 2, 7, FEW_ROWS, FEW_ROWS + 1, 40):
+        hidden = torch.randn(rows, 64, generator=gen).to(dtype)
+        got, want = vocab_logits(hidden, weight), F.linear(hidden, weight)
+        assert got.shape == want.shape == (rows, 1000) and got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

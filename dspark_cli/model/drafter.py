@@ -26,6 +26,7 @@ from .attention import SplitMask, attend, attend_split
 from .config import DrafterConfig
 from .draw import DraftDist, draw
 from .heads import ConfidenceHead, MarkovHead
+from .vocab_logits import vocab_logits
 
 
 class RMSNorm(nn.Module):
@@ -349,7 +350,8 @@ class DSparkDrafter(nn.Module):
         # On 2-D rows: fill_in's slice is a strided [R, γ, d] that makes the Linear a batched matmul
         # copying the whole [V, d] weight per call (bf16 CPU: a 107 ms draft instead of 12 ms).
         gamma_slots = hidden.shape[1]
-        base = self.lm_head(hidden.reshape(R * gamma_slots, -1).to(self.lm_head.weight.dtype))
+        base = vocab_logits(hidden.reshape(R * gamma_slots, -1).to(self.lm_head.weight.dtype),
+                            self.lm_head.weight)
         full_base = base.view(R, gamma_slots, -1)  # [R, γ, V]
         vocab = full_base.shape[-1]
         truncated = 0 < top_k < vocab
