@@ -30,6 +30,7 @@ import torch
 
 from dspark_cli.decode.batch import TargetBatch
 from dspark_cli.decode.prompts import dataset_name, load_conversations
+from dspark_cli.decode.report import round_phases
 from dspark_cli.decode.scheduler import POLICIES, Scheduler
 from dspark_cli.decode.specdec import SpeculativeDecoder, Stopwatch, paired_decode, target_only, warm_up
 from dspark_cli.decode.sps import profile_target
@@ -111,14 +112,11 @@ def decode_dataset(args, model, tok, drafter, convs, temps, schedule="fixed", co
 def round_costs(stats) -> dict[str, float]:
     """Per-round means of the loop's own phases (seconds) and τ."""
     rounds = max(len(stats.batches), 1)
-    p = stats.phases
-    draft = p.get("draft_backbone", 0) + p.get("draft_heads", 0) + p.get("draft_context", 0)
+    ph = round_phases(stats)
     return {"rounds": len(stats.batches), "tau": sum(b.emitted for b in stats.batches) / rounds,
-            "draft_backbone": p.get("draft_backbone", 0) / rounds,
-            "draft_heads": p.get("draft_heads", 0) / rounds,
-            "draft_context": p.get("draft_context", 0) / rounds, "t_draft": draft / rounds,
-            "t_verify": p.get("verify", 0) / rounds,
-            "outside": (p.get("schedule", 0) + p.get("accept", 0)) / rounds, "prefill_s": p.get("prefill", 0),
+            "draft_backbone": ph["draft_backbone"], "draft_heads": ph["draft_heads"],
+            "draft_context": ph["draft_context"], "t_draft": ph["draft"], "t_verify": ph["verify"],
+            "outside": ph["outside"], "prefill_s": stats.phases.get("prefill", 0),
             "tokens_per_second": stats.new_tokens / stats.seconds}
 
 

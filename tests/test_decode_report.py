@@ -10,12 +10,14 @@ import pytest
 from dspark_cli.decode.report import (
     accepted_lengths,
     conversation_ratio_interval,
+    cost_line,
     macro_ratio_interval,
     per_conversation,
     position_acceptance,
+    round_cost,
     tau_from_conditional,
 )
-from dspark_cli.decode.specdec import DecodeStats, RoundLog
+from dspark_cli.decode.specdec import BatchRound, DecodeStats, RoundLog
 
 
 def test_tau_from_conditional_hand_cases():
@@ -131,3 +133,24 @@ def test_conversation_bootstrap_pairs_by_id_and_narrows_with_conversations():
         conversation_ratio_interval([num], [den], draws=300)
     with pytest.raises(ValueError, match="share no conversation"):
         conversation_ratio_interval([num], [{"ids": ["x"], "rounds": [1], "accepted": [0]}])
+
+
+def test_round_cost_splits_a_round_in_target_steps_and_explains_the_speedup_exactly():
+    """4 rounds of 2 tokens in 1 s against a baseline at 0.1 s a token: each round costs 2.5 target
+    steps, which is the break-even τ, and 2 / 2.5 is the measured speed-up (8 tok/s over 10)."""
+    spec = DecodeStats(gamma=7, new_tokens=8, seconds=1.0,
+                       batches=[BatchRound(1, 8, 2, None, 0.0) for _ in range(4)],
+                       phases={"draft_backbone": 0.1, "draft_heads": 0.05, "draft_context": 0.05,
+                               "verify": 0.6, "prefill": 0.1, "schedule": 0.02, "accept": 0.03})
+    base = DecodeStats(gamma=0, new_tokens=10, seconds=1.0)
+    cost = round_cost(spec, base)
+    assert cost["target_step_ms"] == pytest.approx(100.0)
+    assert cost["cost_in_target_steps"] == pytest.approx(2.5) and cost["tokens_per_round"] == 2
+    assert cost["parts"] == pytest.approx({"draft": 0.5, "verify": 1.5, "prefill": 0.25, "outside": 0.125,
+                                           "other": 0.125})
+    assert cost["c"] == pytest.approx(0.2 / 0.6)
+    speedup = (spec.new_tokens / spec.seconds) / (base.new_tokens / base.seconds)
+    assert cost["tokens_per_round"] / cost["cost_in_target_steps"] == pytest.approx(speedup)
+    line = cost_line(cost)
+    assert "2.50 target steps" in line and "verify 1.50" in line and "0.80×" in line
+    assert round_cost(spec, None) is None and round_cost(DecodeStats(gamma=7), base) is None

@@ -128,7 +128,8 @@ def test_eval_cli_writes_report_and_skips_when_done(trained, tiny_qwen3_target, 
     assert storage.read_bytes(f"{output}/acceptance.png")[:4] == b"\x89PNG"
     assert storage.read_bytes(f"{output}/threshold_sweep.png")[:4] == b"\x89PNG"
     assert manifest.read_manifest(output)["counts"]["datasets"] == 1
-    assert "report.json" in "".join(capsys.readouterr().out.split())  # a long tmp path wraps the line
+    printed = "".join(capsys.readouterr().out.split())  # a long tmp path wraps the line
+    assert "report.json" in printed and "mt:aroundcosts" in printed and "targetsteps" in printed
     assert _cli(*args) == 0 and "nothing to do" in capsys.readouterr().err
     assert _cli(*args, "--temperature", "0") == 2
     err = capsys.readouterr().err
@@ -364,3 +365,8 @@ def test_eval_baseline_at_r1_is_timed_paired_and_greedy_token_counts_match(train
     speed = report["datasets"][0]["tokens_per_second"]
     assert speed["timing"] == "paired"
     assert speed["speedup"] > 0 and speed["target_only_tokens"] == report["datasets"][0]["new_tokens"]
+    # The round's cost in target steps explains the measured speed-up, and the phases cover it.
+    cost = report["datasets"][0]["round_cost"]
+    assert cost["tokens_per_round"] / cost["cost_in_target_steps"] == pytest.approx(speed["speedup"])
+    assert cost["parts"]["draft"] > 0 and cost["parts"]["verify"] > 0
+    assert abs(cost["parts"]["other"]) < 0.05 * cost["cost_in_target_steps"]

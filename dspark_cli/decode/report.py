@@ -161,6 +161,37 @@ def scheduler_summary(stats: DecodeStats, policy: str, concurrency: int) -> dict
     }
 
 
+def round_phases(stats: DecodeStats) -> dict[str, float]:
+    """Seconds per joint round of each phase the loop times (specdec's module doc names them)."""
+    rounds = max(len(stats.batches), 1)
+    p = stats.phases
+    parts = {k: p.get(k, 0.0) / rounds for k in ("draft_backbone", "draft_heads", "draft_context", "verify",
+                                                 "prefill")}
+    parts["draft"] = parts["draft_backbone"] + parts["draft_heads"] + parts["draft_context"]
+    parts["outside"] = (p.get("schedule", 0.0) + p.get("accept", 0.0)) / rounds
+    return parts
+
+
+def round_cost(stats: DecodeStats, baseline: DecodeStats | None) -> dict[str, Any] | None:
+    """A round's wall time in target-only steps, split by phase: why a speed-up is what it is.
+
+    With t₁ the baseline's seconds per token, speed-up = tokens per round / cost exactly, so the
+    cost is also the break-even τ. `other` is what no phase timer covers (Python between laps).
+    """
+    rounds = len(stats.batches)
+    if not rounds or stats.seconds <= 0 or not baseline or min(baseline.new_tokens, baseline.seconds) <= 0:
+        return None
+    t1 = baseline.seconds / baseline.new_tokens
+    cost = stats.seconds / rounds / t1
+    ph = round_phases(stats)
+    parts = {"draft": ph["draft"] / t1, "verify": ph["verify"] / t1, "prefill": ph["prefill"] / t1,
+             "outside": ph["outside"] / t1}
+    parts["other"] = cost - sum(parts.values())
+    return {"target_step_ms": 1000 * t1, "tokens_per_round": stats.new_tokens / rounds,
+            "cost_in_target_steps": cost, "parts": parts,
+            "c": ph["draft"] / ph["verify"] if ph["verify"] > 0 else None}
+
+
 def dataset_report(name: str, url: str, conversations: int, stats: DecodeStats,
                    baseline: DecodeStats | None, policy: str, concurrency: int,
                    thresholds: list[float], temperatures: list[float] | None,
@@ -193,6 +224,7 @@ def dataset_report(name: str, url: str, conversations: int, stats: DecodeStats,
                               "target_only_seconds": baseline.seconds if baseline else None,
                               "target_only_tokens": baseline.new_tokens if baseline else None,
                               "timing": timing if baseline else None},
+        "round_cost": round_cost(stats, baseline),
         "scheduler": [scheduler_summary(stats, policy, concurrency), *(sweep or [])],
         "threshold_sweep": threshold_sweep(stats, thresholds, temperatures),
     }
@@ -230,7 +262,18 @@ def render_table(report: dict[str, Any]) -> Group:
                       f(tps["speedup"]))
         cond = " ".join(f(c) for c in d["position_acceptance"]["conditional"])
         lines.append(Text(f"{d['name']}: conditional acceptance by position {cond}"))
+        if d.get("round_cost"):  # reports written before it lack it
+            lines.append(Text(f"{d['name']}: {cost_line(d['round_cost'])}"))
     return Group(table, *lines)
+
+
+def cost_line(cost: dict[str, Any]) -> str:
+    """'a round costs 1.45 target steps (draft 0.21 · verify 1.10 · …) for 1.52 tokens: 1.05×'."""
+    parts = " · ".join(f"{k} {v:.2f}" for k, v in cost["parts"].items())
+    speedup = cost["tokens_per_round"] / cost["cost_in_target_steps"]
+    return (f"a round costs {cost['cost_in_target_steps']:.2f} target steps ({parts}; one step "
+            f"{cost['target_step_ms']:.1f} ms) for {cost['tokens_per_round']:.2f} tokens: {speedup:.2f}×; "
+            f"break-even at {cost['cost_in_target_steps']:.2f} tokens a round")
 
 
 def render_scheduler_table(report: dict[str, Any]) -> Table | None:
