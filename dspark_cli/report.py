@@ -69,7 +69,10 @@ def collect(cfg: PipelineConfig) -> dict[str, Any]:
                           "conditional": d["position_acceptance"]["conditional"],
                           "tokens_per_second": d["tokens_per_second"]["speculative"],
                           "target_tokens_per_second": d["tokens_per_second"]["target_only"],
-                          "speedup": d["tokens_per_second"]["speedup"]} for d in report["datasets"]],
+                          "speedup": d["tokens_per_second"]["speedup"],
+                          # a round's cost in target steps: the τ at which the speed-up is 1
+                          "break_even_tau": (d.get("round_cost") or {}).get("cost_in_target_steps")}
+                         for d in report["datasets"]],
             "pooled_conditional": pooled_conditional(report),
         }
     calibrated = manifests["calibrate"]
@@ -106,12 +109,13 @@ def render(report: dict[str, Any]) -> list[Table | str]:
     if ev is not None:
         table = Table(title=f"eval — T={ev['temperature']}, γ={ev['block_size']}, schedule {ev['schedule']}"
                             + (", calibrated" if ev["calibration"] else ""))
-        for col in ("dataset", "τ", "tok/s spec", "tok/s target", "speed-up",
+        for col in ("dataset", "τ", "break-even τ", "tok/s spec", "tok/s target", "speed-up",
                     "conditional acceptance by position"):
             table.add_column(col, justify="left" if col in ("dataset", "conditional acceptance by position")
                              else "right")
         for d in ev["datasets"]:
-            table.add_row(display_name(d["name"]), _f(d["tau"]), _f(d["tokens_per_second"], "{:.1f}"),
+            table.add_row(display_name(d["name"]), _f(d["tau"]), _f(d.get("break_even_tau")),
+                          _f(d["tokens_per_second"], "{:.1f}"),
                           _f(d["target_tokens_per_second"], "{:.1f}"), _f(d["speedup"], "{:.2f}x"),
                           " ".join(_f(c) for c in d["conditional"]))
         blocks.append(table)

@@ -154,8 +154,9 @@ def _check_report(config: Path, run_dir: Path, work: Path, report: dict, calibra
     for stage, stage_dir in zip(("prepare", "regen", "cache", "train", "calibrate", "eval"), STAGE_DIRS,
                                 strict=True):
         assert seconds[stage] == manifest.read_manifest(str(work / stage_dir))["timings"]["wall_seconds"]
-    assert [(d["name"], d["tau"], d["speedup"]) for d in figures["eval"]["datasets"]] == [
-        (d["name"], d["tau"], d["tokens_per_second"]["speedup"]) for d in report["datasets"]]
+    shown = [(d["name"], d["tau"], d["speedup"], d["break_even_tau"]) for d in figures["eval"]["datasets"]]
+    assert shown == [(d["name"], d["tau"], d["tokens_per_second"]["speedup"],
+                      d["round_cost"]["cost_in_target_steps"]) for d in report["datasets"]]
     assert figures["eval"]["datasets"][0]["conditional"] == \
         report["datasets"][0]["position_acceptance"]["conditional"]
     pooled = calibration_summary(calibration)  # v2 files hold per-position lists; the report the pooled ECE
@@ -170,7 +171,8 @@ def _check_report(config: Path, run_dir: Path, work: Path, report: dict, calibra
     text = proc.stdout
     assert proc.returncode == 0, proc.stderr
     first = report["datasets"][0]
-    assert f"{first['tau']:.2f}" in text and "speed-up" in text
+    assert f"{first['tau']:.2f}" in text and "speed-up" in text and "break-even" in text
+    assert f"{first['round_cost']['cost_in_target_steps']:.2f}" in text
     assert f"{pooled['ece_before']:.2%} → {pooled['ece_after']:.2%}" in text
     assert "plot: work/eval/acceptance.png" in text
 
