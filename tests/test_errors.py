@@ -317,3 +317,21 @@ def test_mask_token_rule_spare_row_else_an_unused_special_token(tiny_llama_targe
     choice = choose_mask_token(tok, len(tok))  # every row is a token: a reserved one chat never uses
     assert tok.convert_ids_to_tokens(choice.token_id) == "<|reserved_special_token_0|>"
     assert choice.token_id not in (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+
+
+def test_a_wrong_path_fails_before_torch_loads(tmp_path):
+    """eval, calibrate and cache estimate check their inputs before importing torch, Transformers
+    or matplotlib (~3 s on 2 cores): a typo is answered in well under a second."""
+    missing = tmp_path / "missing"
+    for args, culprit in [
+        (["eval", "--drafter", str(missing), "--target", str(missing), "--dataset", f"{missing}.jsonl"],
+         "missing.jsonl"),
+        (["calibrate", "--drafter", str(missing), "--target", str(missing)], str(missing)),
+        (["cache", "estimate", "--responses", str(missing), "--target", str(missing)], str(missing)),
+    ]:
+        proc = run_dspark(*args, cwd=tmp_path, env={"PYTHONPROFILEIMPORTTIME": "1"})
+        assert_user_error(proc, culprit)
+        imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
+                    if line.startswith("import time:")}
+        assert "dspark_cli.cli" in imported, proc.stderr[-500:]  # the profile did record the imports
+        assert not imported & {"torch", "transformers", "matplotlib"}, args

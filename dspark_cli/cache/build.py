@@ -26,7 +26,7 @@ import torch
 
 from .. import manifest, storage
 from ..config import PipelineConfig
-from ..console import console
+from ..console import console, fmt_bytes
 from ..data import io
 from ..errors import DsparkError, StageFailed
 from ..sample import Sample
@@ -36,7 +36,7 @@ from ..target.files import load_config, num_layers
 from ..target.layers import resolve_layers
 from ..target.model import Target
 from ..target.samples import INPUT_COLUMNS, forward_samples, render_rows
-from . import fp8, store
+from . import RESPONSES_HINT, fp8, store
 from .verify import summary as cache_summary
 
 LAYOUT_NAME = "_layout.json"
@@ -194,20 +194,11 @@ def progress_line(shard: int, n: int, total: int, tokens: int, raw_bytes: int, s
     eta = elapsed / n * (total - n)
     written = ""
     if stored_bytes:
-        written = f"{_fmt_bytes(stored_bytes)} written, compression {raw_bytes / stored_bytes:.2f}×, "
+        written = f"{fmt_bytes(stored_bytes)} written, compression {raw_bytes / stored_bytes:.2f}×, "
     return (f"  shard {shard:5d} ({n}/{total}): {tokens / max(elapsed, 1e-9):,.0f} tok/s, {written}"
             f"ETA {eta:,.0f}s")
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TB"
-
-
-RESPONSES_HINT = "pass the output of `dspark data regen` (default <work_dir>/responses) as --responses."
 
 
 def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force: bool = False,

@@ -16,9 +16,7 @@ from .. import manifest
 from ..config import PipelineConfig
 from ..target.files import hidden_size, load_config, num_layers
 from ..target.layers import resolve_layers
-from ..target.samples import INPUT_COLUMNS, render_rows
-from . import store
-from .build import RESPONSES_HINT
+from . import RESPONSES_HINT, store
 
 #: Measured stored/raw ratios of the hidden-state arrays (see docs/cache.md).
 EXPECTED_RATIO = {("bf16", "blosc"): 1 / 1.30, ("bf16", "zstd"): 1 / 1.24, ("bf16", "none"): 1.0,
@@ -27,15 +25,18 @@ EXPECTED_RATIO = {("bf16", "blosc"): 1 / 1.30, ("bf16", "zstd"): 1 / 1.24, ("bf1
 
 def estimate_cache(cfg: PipelineConfig, responses_url: str, sample: int = 2000) -> dict[str, Any]:
     from ..data.io import row_index
-    from ..target.model import load_tokenizer
 
     t = cfg.target
     manifest.require_artifact(responses_url, "data.regen", "--responses", RESPONSES_HINT)
     index = row_index(responses_url)  # the local input first: offline first
     total_rows = index.num_rows
-    rows = index.read(0, sample, INPUT_COLUMNS)
     config = load_config(t.model, t.revision, t.trust_remote_code)
     layers = resolve_layers(t.layers, num_layers(config))
+    # Torch and Transformers load only now, once the inputs are known good (~2 s).
+    from ..target.model import load_tokenizer
+    from ..target.samples import INPUT_COLUMNS, render_rows
+
+    rows = index.read(0, sample, INPUT_COLUMNS)
     m, d = len(layers), hidden_size(config)
     tokenizer = load_tokenizer(t.model, t.revision, t.trust_remote_code)
     samples, skipped, _ = render_rows(tokenizer, rows, cfg.cache.max_length, cfg.cache.min_loss_tokens)

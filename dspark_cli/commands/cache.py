@@ -107,8 +107,8 @@ def estimate(
     as_json: JsonOpt = False,
 ) -> None:
     """Bytes the cache will take, before building it (tokenizer + config only)."""
-    from ..cache.build import _fmt_bytes
     from ..cache.estimate import estimate_cache
+    from ..console import fmt_bytes
 
     cfg = load(config, set_, target={"model": target, "layers": _layers(layers)},
                cache={"storage_dtype": storage_dtype, "max_length": max_length})
@@ -118,9 +118,9 @@ def estimate(
         return
     shown = dict(result)
     for key in ("uncompressed_bytes", "expected_bytes", "reference_bytes", "online_saves_bytes"):
-        shown[key] = f"{_fmt_bytes(result[key])} ({result[key]:,} B)"
+        shown[key] = f"{fmt_bytes(result[key])} ({result[key]:,} B)"
     shown["online training"] = (
-        f"`dspark train --online` writes no cache (saves {_fmt_bytes(result['online_saves_bytes'])}) and "
+        f"`dspark train --online` writes no cache (saves {fmt_bytes(result['online_saves_bytes'])}) and "
         f"costs a target forward per sample per epoch: {result['online_target_forwards_per_epoch']:,} "
         f"forwards, {result['online_target_tokens_per_epoch']:,} tokens each epoch "
         "(the cache pays them once)")

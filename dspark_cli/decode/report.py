@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from rich import box
@@ -12,7 +12,9 @@ from rich.text import Text
 
 from .calibrate import RoundRecords, scale
 from .scheduler import threshold_lengths
-from .specdec import DecodeStats
+
+if TYPE_CHECKING:  # the report is numbers and tables; decoding (torch) need not load for it
+    from .specdec import DecodeStats
 
 DEFAULT_THRESHOLDS = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 

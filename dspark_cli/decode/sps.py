@@ -16,13 +16,14 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .. import storage
 from ..errors import DsparkError
 from ..schemas import validate
+
+if TYPE_CHECKING:  # torch loads only when a profile runs: the table itself is plain JSON
+    import torch
 
 SCHEMA = "sps_table"
 
@@ -107,7 +108,6 @@ def row_lengths(batch_tokens: int, tokens_per_row: int) -> list[int]:
     return [batch_tokens // rows + (1 if r < batch_tokens % rows else 0) for r in range(rows)]
 
 
-@torch.inference_mode()
 def profile_target(model: torch.nn.Module, batch_tokens: list[int], context_length: int = 128,
                    warmup: int = 2, repeats: int = 5, vocab_size: int | None = None,
                    seed: int = 0, tokens_per_row: int = 8) -> SpsTable:
@@ -118,10 +118,21 @@ def profile_target(model: torch.nn.Module, batch_tokens: list[int], context_leng
     a round of `dspark eval --concurrency R` runs them. The median of `repeats` timings is kept;
     the new positions are dropped after every step so each sees the same context.
     """
-    from .batch import TargetBatch
-
     if tokens_per_row < 1:
         raise DsparkError(f"tokens_per_row must be >= 1, got {tokens_per_row}.")
+    import torch
+
+    with torch.inference_mode():
+        return _profile(model, batch_tokens, context_length, warmup, repeats, vocab_size, seed,
+                        tokens_per_row)
+
+
+def _profile(model: torch.nn.Module, batch_tokens: list[int], context_length: int, warmup: int, repeats: int,
+             vocab_size: int | None, seed: int, tokens_per_row: int) -> SpsTable:
+    import torch
+
+    from .batch import TargetBatch
+
     device = next(model.parameters()).device
     vocab = vocab_size or model.config.vocab_size
     lm_head = model.get_output_embeddings()
@@ -164,4 +175,6 @@ def crop_cache(cache: object, length: int) -> None:
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)

@@ -3,15 +3,14 @@
 Each takes a PipelineConfig plus URLs, goes through `manifest.prepare_stage` (skip when done,
 refuse a changed config, resume otherwise), claims the output only once its inputs are read and its
 models loaded, writes its manifest last and returns a `StageResult`. Eval commits one part file
-per finished dataset, so a killed run redoes only the dataset it was in.
+per finished dataset, so a killed run redoes only the dataset it was in. Torch, Transformers and
+matplotlib are imported only after the inputs are checked: a wrong path fails in well under a second.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any
-
-import torch
 
 from .. import manifest, storage
 from ..config import PipelineConfig
@@ -21,13 +20,10 @@ from ..schemas import validate
 from ..stage import StageResult, already_done, completed
 from ..target import identity
 from ..target.layers import agree_layers
-from ..target.model import Target
-from . import plots
 from .calibrate import RoundRecords, calibration_file, cross_fit, fit_sts
 from .prompts import dataset_name, load_conversations
 from .report import dataset_report, records
 from .scheduler import Scheduler
-from .specdec import SpeculativeDecoder, paired_decode, target_only, warm_up
 from .sps import SpsTable, default_batch_grid, profile_target
 
 
@@ -40,6 +36,7 @@ def _target_input(cfg: PipelineConfig, target: str, output_url: str) -> str:
 
 def load_models(cfg: PipelineConfig, target: str, drafter_url: str) -> tuple[Any, Any, Any]:
     from ..model.export import load_drafter
+    from ..target.model import Target
     from ..train.checkpoint import say_if_unrefit
 
     say_if_unrefit(drafter_url)
@@ -56,7 +53,7 @@ def drafter_block_size(cfg: PipelineConfig, drafter_url: str) -> int:
     The drafter's layers are the truth; explicit `target.layers` that differ are refused here,
     before any output is claimed.
     """
-    from ..model.export import read_config, resolve_drafter_url
+    from ..model.locate import read_config, resolve_drafter_url
 
     url = resolve_drafter_url(drafter_url)
     config = read_config(url)
@@ -106,6 +103,8 @@ def run_eval(cfg: PipelineConfig, target: str, drafter_url: str, output_url: str
     model, tokenizer, drafter = load_models(cfg, target, drafter_url)
     run.claim()  # only once the models loaded: a wrong --target or --drafter leaves nothing behind
     storage.clean_temporaries(output_url)
+    from . import plots
+    from .specdec import SpeculativeDecoder, paired_decode, target_only, warm_up
     datasets = []
     for url in ev.datasets:
         name = dataset_name(url)
@@ -169,6 +168,8 @@ def run_eval(cfg: PipelineConfig, target: str, drafter_url: str, output_url: str
 def calibration_rounds(cfg: PipelineConfig, model: Any, tokenizer: Any, drafter: Any,
                        convs: list) -> RoundRecords | None:
     """The rounds STS is fitted on: every slot verified (fixed schedule), `[calibrate]` sampling."""
+    from .specdec import SpeculativeDecoder
+
     cal = cfg.calibrate
     decoder = SpeculativeDecoder(model, tokenizer, drafter, Scheduler("fixed", drafter.block_size),
                                  temperature=cal.temperature, max_new_tokens=cal.max_new_tokens,
@@ -216,6 +217,8 @@ def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_ur
         "min_prefixes": cal.min_prefixes})
     result = _finite(result)
     validate(result, "calibration", where=storage.join(output_url, "calibration.json"))
+    from . import plots
+
     plots.reliability_plot(rec, fit.temperatures, storage.join(output_url, "reliability.png"), cal.ece_bins)
     storage.write_json(storage.join(output_url, "calibration.json"), result)
     final = run.finish({"rounds": fit.num_samples, "conversations": len(convs)},
@@ -266,6 +269,11 @@ def run_profile(cfg: PipelineConfig, target: str, output_url: str, batch_tokens:
     sps_url = storage.join(output_url, "sps.json")
     if run.state == "done":
         return already_done(run, lambda _m: _sps_summary(SpsTable.load(sps_url), sps_url))
+    import torch
+
+    from ..target.model import Target
+    from . import plots
+
     model = Target.from_settings(cfg.target, path=target).model
     run.claim()
     table = profile_target(model, grid, context_length=context_length, repeats=repeats,

@@ -22,7 +22,8 @@ from typing import Any
 
 from .. import storage, vllm_cpu_fix
 from ..errors import DsparkError
-from .export import DFLASH_ARCH, DSPARK_ARCH, LEGACY_PRIVATE_KEY, PRIVATE_KEY, WEIGHTS
+from .export import DFLASH_ARCH, DSPARK_ARCH, WEIGHTS
+from .locate import LEGACY_PRIVATE_KEY, PRIVATE_KEY
 
 SGLANG, VLLM = "SGLang", "vLLM"
 OK, NOTE, IGNORED, FAIL = "ok", "note", "ignored", "fail"

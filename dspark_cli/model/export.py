@@ -29,13 +29,10 @@ from .config import DrafterConfig
 from .drafter import DSparkDrafter
 from .frozen import attach_frozen
 from .heads import upgrade_legacy_markov
+from .locate import CHECKPOINT_CONFIG, PRIVATE_KEY, read_config, resolve_drafter_url
 
 DSPARK_ARCH = "Qwen3DSparkModel"
 DFLASH_ARCH = "DFlashDraftModel"
-CHECKPOINT_CONFIG = "drafter_config.json"
-#: Where config.json keeps DrafterConfig; LEGACY_PRIVATE_KEY is read for exports of earlier releases.
-PRIVATE_KEY = "dspark_cli_config"
-LEGACY_PRIVATE_KEY = "dspark_config"
 #: Rank of the all-zero Markov head an anchor-first drafter without one is exported with.
 NOOP_MARKOV_RANK = 1
 NOOP_MARKOV_KEYS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
@@ -169,37 +166,6 @@ def save_weights(drafter: DSparkDrafter, dir_url: str) -> None:
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in drafter.trainable_state_dict().items()}
     storage.write_bytes(storage.join(dir_url, WEIGHTS), st_save(tensors))
     storage.write_text(storage.join(dir_url, CHECKPOINT_CONFIG), drafter.config.to_json())
-
-
-def read_config(url: str) -> DrafterConfig:
-    """DrafterConfig of a checkpoint dir or an export folder."""
-    if storage.exists(storage.join(url, CHECKPOINT_CONFIG)):
-        config_url = storage.join(url, CHECKPOINT_CONFIG)
-        with reading(config_url, (ValueError, KeyError, TypeError)):  # TypeError: keys missing
-            return DrafterConfig.from_json(storage.read_text(config_url))
-    if storage.exists(storage.join(url, "config.json")):
-        cfg = storage.read_json(storage.join(url, "config.json"))
-        private = cfg.get(PRIVATE_KEY, cfg.get(LEGACY_PRIVATE_KEY))
-        if not isinstance(private, dict):
-            raise DsparkError(f"{url}/config.json has no {PRIVATE_KEY}; it was not exported by dspark.")
-        return DrafterConfig.from_dict(private)
-    missing = "does not exist" if not storage.exists(url) else \
-        f"is neither a dspark checkpoint ({CHECKPOINT_CONFIG}) nor an export (config.json)"
-    raise DsparkError(f"drafter {url}: {missing}.",
-                      hint="pass a train artifact, checkpoint or export folder "
-                           "(<work_dir>/train is what `dspark train` writes).")
-
-
-def resolve_drafter_url(url: str) -> str:
-    """Accept a train artifact root too: its export/, else its latest checkpoint."""
-    if any(storage.exists(storage.join(url, name)) for name in (CHECKPOINT_CONFIG, "config.json")):
-        return url
-    if storage.exists(storage.join(url, "export", "config.json")):
-        return storage.join(url, "export")
-    latest = storage.join(url, "checkpoints", "latest")
-    if storage.exists(latest):
-        return storage.join(url, "checkpoints", storage.read_text(latest).strip())
-    return url
 
 
 def load_drafter(path: str, target: str | None = None, device: str | torch.device = "cpu",
