@@ -199,8 +199,6 @@ def progress_line(shard: int, n: int, total: int, tokens: int, raw_bytes: int, s
             f"ETA {eta:,.0f}s")
 
 
-
-
 def build_cache(cfg: PipelineConfig, responses_url: str, output_url: str, force: bool = False,
                 num_workers: int | None = None, worker_index: int | None = None,
                 quiet: bool = False) -> StageResult:

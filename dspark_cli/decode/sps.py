@@ -120,42 +120,34 @@ def profile_target(model: torch.nn.Module, batch_tokens: list[int], context_leng
     """
     if tokens_per_row < 1:
         raise DsparkError(f"tokens_per_row must be >= 1, got {tokens_per_row}.")
-    import torch
-
-    with torch.inference_mode():
-        return _profile(model, batch_tokens, context_length, warmup, repeats, vocab_size, seed,
-                        tokens_per_row)
-
-
-def _profile(model: torch.nn.Module, batch_tokens: list[int], context_length: int, warmup: int, repeats: int,
-             vocab_size: int | None, seed: int, tokens_per_row: int) -> SpsTable:
-    import torch
+    import torch  # here, not at module level: reading or writing an SpsTable needs no torch
 
     from .batch import TargetBatch
 
     device = next(model.parameters()).device
     vocab = vocab_size or model.config.vocab_size
     lm_head = model.get_output_embeddings()
-    gen = torch.Generator().manual_seed(seed)
-    batch = TargetBatch(model, [0])
-    sps: list[float] = []
-    for b in sorted(batch_tokens):
-        lengths = row_lengths(b, tokens_per_row)
-        while batch.rows < len(lengths):  # B ascending: rows only ever get added
-            batch.add(torch.randint(0, vocab, (context_length,), generator=gen).tolist())
-        inputs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
-        times = []
-        for i in range(warmup + repeats):
-            _sync(device)
-            t0 = time.perf_counter()
-            _hidden, final = batch.forward(inputs, [context_length] * len(inputs))
-            lm_head(final)
-            _sync(device)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-            batch.commit([0] * len(inputs))
-        times.sort()
-        sps.append(1.0 / times[len(times) // 2])
+    with torch.inference_mode():
+        gen = torch.Generator().manual_seed(seed)
+        batch = TargetBatch(model, [0])
+        sps: list[float] = []
+        for b in sorted(batch_tokens):
+            lengths = row_lengths(b, tokens_per_row)
+            while batch.rows < len(lengths):  # B ascending: rows only ever get added
+                batch.add(torch.randint(0, vocab, (context_length,), generator=gen).tolist())
+            inputs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+            times = []
+            for i in range(warmup + repeats):
+                _sync(device)
+                t0 = time.perf_counter()
+                _hidden, final = batch.forward(inputs, [context_length] * len(inputs))
+                lm_head(final)
+                _sync(device)
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
+                batch.commit([0] * len(inputs))
+            times.sort()
+            sps.append(1.0 / times[len(times) // 2])
     meta = {"context_length": context_length, "repeats": repeats, "device": str(device),
             "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(), "tokens_per_row": tokens_per_row}
