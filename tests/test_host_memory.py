@@ -3,6 +3,7 @@ faulted in page by page again."""
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 
@@ -18,23 +19,24 @@ def step():  # the kind of large temporaries a CPU training step makes and frees
     c = torch.zeros(49152, 256)
     del a, b, c
 
-for _ in range(5):  # the heap settles into its layout
+for _ in range(6):  # the heap settles into its layout
     step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(5):
+for _ in range(14):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-def _faults(mode: str) -> int:
+def _median_faults_per_step(mode: str) -> int:
     out = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, check=True)
-    return int(out.stdout.strip())
+    return int(statistics.median(int(line) for line in out.stdout.split()))
 
 
 def test_kept_blocks_are_reused_without_page_faults():
-    # ~150 MB of temporaries a step fault ~5 × 66k pages by default; kept blocks 0-43k in all
-    # (measured over four runs: the heap's layout decides how many still move).
-    default, kept = _faults("default"), _faults("keep")
-    assert default > 5 * 20_000
+    # ~150 MB of temporaries fault ~66k pages every step by default. Kept, a step faults none
+    # once the heap has settled, but the heap's layout still moves a block now and then (0, 21k
+    # or 43k pages in a step; a CI run summed 77k over five steps): hence the median of a step.
+    default, kept = _median_faults_per_step("default"), _median_faults_per_step("keep")
+    assert default > 20_000
     assert kept < default / 5
