@@ -167,3 +167,23 @@ def test_old_and_new_export_cli_spellings(tiny_qwen3_target, tmp_path):
     a = st_load((tmp_path / "a" / "model.safetensors").read_bytes())
     b = st_load((tmp_path / "b" / "model.safetensors").read_bytes())
     assert set(a) == set(b) and b["fc.weight"].dtype == torch.float32
+
+
+def test_a_reduced_draft_vocabulary_is_vllm_only_and_needs_its_d2t(tiny_qwen3_target, tmp_path, capsys):
+    """vLLM serves a reduced draft vocabulary (its loader needs lm_head [N, d] and d2t); SGLang's
+    DSpark loader builds markov_w2 with the target's rows and refuses it. The engines' own loaders
+    say the same in make test-engines."""
+    folder = export(tiny_qwen3_target, tmp_path / "e", draft_vocab_size=64)
+    report = check_export(folder)
+    assert report.loads == {SGLANG: False, VLLM: True} and report.ok
+    text = render(report)
+    assert "reduced draft vocabulary of 64" in text and "reads no d2t" in text
+    assert set(report.commands) == {VLLM}
+    code, out = run(capsys, folder)
+    assert code == 0 and "SGLang: refuses it" in out
+    weights = tmp_path / "e" / "model.safetensors"
+    tensors = st_load(weights.read_bytes())
+    del tensors["d2t"]  # vLLM: "Reduced-vocabulary ... must include a d2t mapping"
+    weights.write_bytes(st_save(tensors))
+    code, out = run(capsys, folder)
+    assert code == 1 and "missing" in out and "d2t" in out

@@ -243,3 +243,63 @@ def test_export_cli(tiny_qwen3_target, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         main(["export", str(tmp_path / "ckpt"), str(tmp_path / "bad"), "--architecture", "DFlashDraftModel"])
     assert exit_info.value.code == 2
+
+
+def reduced(target, size: int = 40) -> DSparkDrafter:
+    """A drafter whose draft vocabulary is `size` scattered target ids."""
+    drafter = build(target, draft_vocab_size=size)
+    ids = torch.randperm(drafter.config.vocab_size, generator=torch.Generator().manual_seed(4))[:size]
+    drafter.draft_token_ids.copy_(ids.sort().values)
+    return drafter
+
+
+def test_a_reduced_draft_vocabulary_exports_vllms_d2t_and_reloads(tiny_qwen3_target, tmp_path, sample):
+    """lm_head [N, d] (the target's rows) and d2t (target = draft + d2t[draft]) beside the usual keys;
+    the folder reloads to the same drafter, whose drafts only ever hold draft-vocabulary tokens."""
+    drafter = reduced(tiny_qwen3_target)
+    ids = drafter.draft_token_ids
+    config = export_drafter(drafter, str(tmp_path / "x"), dtype="float32")
+    assert config["draft_vocab_size"] == 40 and config["vocab_size"] == drafter.config.vocab_size
+    tensors = st_load((tmp_path / "x" / "model.safetensors").read_bytes())
+    assert set(tensors) == expected_keys(2) | {"lm_head.weight", "d2t"}
+    assert tensors["d2t"].dtype == torch.int64
+    assert torch.equal(torch.arange(40) + tensors["d2t"], ids)
+    assert torch.equal(tensors["lm_head.weight"], drafter.lm_head.weight[ids])
+    assert tensors["markov_head.markov_w2.weight"].shape == (40, drafter.config.markov_rank)
+    anchor = int(torch.nonzero(sample.loss_mask)[0]) + 3
+    before = logits_of(drafter, sample, anchor)
+    reloaded = load_drafter(str(tmp_path / "x"))
+    assert torch.equal(reloaded.draft_token_ids, ids)
+    assert torch.equal(reloaded.lm_head.weight, drafter.lm_head.weight)  # the whole head, from the target
+    after = logits_of(reloaded, sample, anchor)
+    assert torch.equal(before.tokens, after.tokens) and torch.allclose(before.probs, after.probs, atol=1e-6)
+    assert torch.isin(before.tokens, ids).all()
+    outside = torch.ones(drafter.config.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert float(before.probs[:, outside].sum()) == 0.0  # p_d is zero outside the draft vocabulary
+
+
+def test_a_reduced_draft_equals_the_full_draft_restricted_to_its_tokens(tiny_qwen3_target, sample):
+    """The same weights drafting over N rows give the softmax of the full drafter's logits on those
+    N tokens (Markov bias included), slot by slot."""
+    small = reduced(tiny_qwen3_target)
+    ids = small.draft_token_ids
+    full = build(tiny_qwen3_target)
+    state = {k: v for k, v in small.state_dict().items() if k != "draft_token_ids"}
+    w2 = torch.zeros_like(full.markov_head.markov_w2.weight)
+    w2[ids] = state.pop("markov_head.markov_w2.weight")
+    full.load_state_dict({**state, "markov_head.markov_w2.weight": w2})
+    anchor = int(torch.nonzero(sample.loss_mask)[0]) + 3
+    ctx, tok = sample.hidden_states[:anchor], int(sample.input_ids[anchor])
+    context = full.new_context()
+    context.add_row()
+    full.extend_context(context, [ctx])
+    b = small.draft_block(ctx, tok, anchor, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    hidden = full.draft_slots(full.backbone(full.block_inputs(torch.tensor([tok])),
+                                            anchor + torch.arange(full.config.block_inputs)[None],
+                                            context.layer_kv(), None))[0]
+    prev = torch.cat([torch.tensor([tok]), b.tokens[:-1]])
+    z = full.markov_head.features(prev[None], hidden[None])[0]
+    logits = full.lm_head(hidden) + full.markov_head.bias(z)
+    expected = torch.softmax(logits[:, ids], -1)
+    assert torch.allclose(b.probs[:, ids], expected, atol=1e-5)

@@ -6,11 +6,13 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from fixtures.cache_responses import response_rows, write_responses
 from fixtures.cli import assert_user_error, run_dspark
 from fixtures.tiny_models import mask_token_id
+from safetensors.torch import load as st_load
 
 from dspark_cli.cache.build import build_cache
 from dspark_cli.cli import main
@@ -150,3 +152,54 @@ def test_train_with_another_target_names_the_cache_s_target(cache, tiny_qwen3_ta
     assert code == 2 and "Traceback" not in err
     assert f"the cache was built for another target ({tiny_qwen3_target}), not {tiny_llama_target}" in err
     assert not (tmp_path / "t").exists()
+
+
+def test_a_reduced_draft_vocabulary_is_counted_from_the_caches_train_split(cache, tiny_qwen3_target, tmp_path,
+                                                                           capsys):
+    """model.draft_vocab_size: the N most frequent response tokens of the train split (the cache's
+    index arrays, counted as the samples themselves count them), kept in checkpoints, exported as
+    vLLM's d2t."""
+    from dspark_cli.cache.reader import CacheDataset
+    from dspark_cli.train.draft_vocab import choose_draft_vocab, count_sample_tokens
+
+    vocab = load_drafter_vocab(tiny_qwen3_target)
+    train_split = CacheDataset(cache, split="train")
+    by_samples = count_sample_tokens(train_split, vocab)
+    assert np.array_equal(train_split.response_token_counts(vocab, 10**9), by_samples)
+    everything = count_sample_tokens(CacheDataset(cache), vocab)
+    assert not np.array_equal(everything, by_samples)  # the held-out split is left out
+    expected = choose_draft_vocab(by_samples, 24)
+    assert by_samples[expected.numpy()].min() >= np.delete(by_samples, expected.numpy()).max()
+
+    out = str(tmp_path / "train")
+    sets = [a for s in [*SETS, "model.draft_vocab_size=24"] for a in ("--set", s)]
+    args = ("train", "--cache", cache, "--output", out, "--set",
+            f"target.mask_token_id={mask_token_id(tiny_qwen3_target)}", *sets)
+    assert run(*args, "--max-steps", "2") == 0
+    assert "draft vocabulary: the 24 most frequent" in " ".join(capsys.readouterr().err.split())
+    assert torch.equal(load_drafter(f"{out}/checkpoints/step-00000002").draft_token_ids, expected)
+    exported = load_drafter(out)
+    assert torch.equal(exported.draft_token_ids, expected)
+    assert read_manifest(out)["config"]["model"]["draft_vocab_size"] == 24
+    tensors = st_load(Path(out, "export", "model.safetensors").read_bytes())
+    assert torch.equal(tensors["d2t"] + torch.arange(24), expected)
+
+
+def load_drafter_vocab(target) -> int:
+    from dspark_cli.target.files import load_config as load_target_config
+    return load_target_config(str(target)).vocab_size
+
+
+@pytest.mark.parametrize("sets,culprit", [
+    (["model.draft_vocab_size=-3"], "model.draft_vocab_size"),
+    (["model.draft_vocab_size=385"], "model.draft_vocab_size 385 must be smaller than the target"),
+    (["model.draft_vocab_size=24", "train.fast_kernels=false"], "train.fast_kernels"),
+])
+def test_a_bad_draft_vocabulary_is_one_line_through_the_entry_point(cache, tiny_qwen3_target, tmp_path, sets,
+                                                                    culprit):
+    out = tmp_path / "t"
+    mask = f"target.mask_token_id={mask_token_id(tiny_qwen3_target)}"
+    failed = run_dspark("train", "--cache", cache, "--output", str(out), "--max-steps", "1",
+                        *[a for s in [*SETS, mask, *sets] for a in ("--set", s)])
+    assert_user_error(failed, culprit)
+    assert not (out / "manifest.json").exists()

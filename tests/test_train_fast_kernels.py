@@ -182,3 +182,69 @@ def test_a_bad_compile_vocab_is_one_line_through_the_entry_point():
                                    'true, false or "auto", got \'sometimes\'.')
     assert run_dspark("pipeline", "show", "pipelines/smollm2-135m.toml", "--set",
                       "train.compile_vocab=false").returncode == 0
+
+
+def reduced_drafter(target, head: str, confidence: bool, batch) -> DSparkDrafter:
+    """A drafter whose draft vocabulary holds half the labels of `batch` and random other tokens."""
+    torch.manual_seed(2)
+    labels = torch.unique(batch.labels[batch.valid.bool()])
+    vocab = load_config_vocab(target)
+    kept = labels[::2]  # every other label: the rest fall outside (no CE, their mass counts in TV)
+    others = torch.randperm(vocab)[:64]
+    ids = torch.unique(torch.cat([kept, others[~torch.isin(others, labels)]]))
+    drafter = DSparkDrafter(drafter_config(target, markov_head_type=head, enable_confidence_head=confidence,
+                                           draft_vocab_size=int(ids.shape[0])))
+    attach_frozen(drafter, str(target))
+    drafter.draft_token_ids.copy_(ids)
+    if drafter.markov_head is not None:
+        torch.nn.init.normal_(drafter.markov_head.markov_w2.weight, std=0.3)
+    return drafter
+
+
+def load_config_vocab(target) -> int:
+    from dspark_cli.target.files import load_config
+    return load_config(str(target)).vocab_size
+
+
+@pytest.mark.parametrize("head,confidence,weights", [HEADS[0], HEADS[2], HEADS[6]],
+                         ids=["vanilla", "gated", "none"])
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_a_reduced_draft_vocabulary_matches_the_autograd_reference(tiny_qwen3_target, batch, head, confidence,
+                                                                   weights, bf16):
+    """The fast path over N draft rows (chunks of 3 blocks, hand-written gradient) gives the loss,
+    statistics and gradients of autograd through `_vocab_terms` with the same draft vocabulary."""
+    drafter = reduced_drafter(tiny_qwen3_target, head, confidence, batch)
+    ref_loss, ref_stats, ref_grads = run(drafter, batch, weights, fast=True, bf16=bf16, chunk=0)
+    loss, stats, grads = run(drafter, batch, weights, fast=True, bf16=bf16, chunk=3)
+    tol = 2e-2 if bf16 else 1e-5
+    assert abs(float(loss) - float(ref_loss)) <= tol * abs(float(ref_loss))
+    for k in ("ce", "tv", "conf_bce", "slot_accept_sum", "slot_survive_sum"):
+        assert torch.allclose(stats[k], ref_stats[k], rtol=tol, atol=tol), k
+    assert grads.keys() == ref_grads.keys() and grads
+    if drafter.markov_head is not None:
+        assert grads["markov_head.markov_w2.weight"].shape[0] == drafter.config.draft_vocab_size
+    for k, ref in ref_grads.items():
+        assert float((grads[k] - ref).norm()) <= (5e-2 if bf16 else 1e-4) * float(ref.norm()) + 1e-7, k
+
+
+def test_a_reduced_vocabulary_scores_the_draft_as_zero_outside_it(tiny_qwen3_target, batch):
+    """TV and CE of the reduced loss are those of the full-vocabulary distribution that is zero
+    outside the draft vocabulary: computed here by hand over all V tokens."""
+    drafter = reduced_drafter(tiny_qwen3_target, "vanilla", False, batch)
+    ids = drafter.draft_token_ids
+    with torch.no_grad():
+        hidden = drafter(batch.block_input_ids, batch.block_position_ids, batch.context_hidden,
+                         batch.context_position_ids, dense_mask(batch.layout))
+        z = drafter.markov_head.features(batch.prev_tokens, hidden)
+        logits = hidden @ drafter.lm_head.weight[ids].T + drafter.markov_head.bias(z)
+        p_d = torch.zeros(*logits.shape[:2], drafter.config.vocab_size)
+        p_d[..., ids] = torch.softmax(logits, -1)
+        p_t = torch.softmax(batch.target_hidden.float() @ drafter.lm_head.weight.T, -1)
+        tv = 0.5 * (p_d - p_t).abs().sum(-1)
+        ce = -torch.log(p_d.gather(-1, batch.labels[..., None]).squeeze(-1))
+        w = batch.valid.float() * torch.exp(-torch.arange(4.0) / LossWeights().gamma_decay)
+        inside = torch.isin(batch.labels, ids)
+        assert (~inside & batch.valid.bool()).any() and (inside & batch.valid.bool()).any()
+        _, stats = DrafterLoss(drafter, LossWeights(), chunk_blocks=3)(batch, dense_mask(batch.layout))
+    assert torch.allclose(stats["tv"], (w * tv).sum() / w.sum(), atol=1e-5)
+    assert torch.allclose(stats["ce"], (w * torch.where(inside, ce, 0.0)).sum() / w.sum(), atol=1e-4)

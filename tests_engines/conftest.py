@@ -34,6 +34,8 @@ KINDS = {
     "fill_in": dict(block_convention="fill_in", **HEADLESS),
     # One k_norm for every layer: what vLLM-CPU's context-key path computes (docs/engines.md).
     "fill_in-tied": dict(block_convention="fill_in", tie_k_norm=True, **HEADLESS),
+    # A reduced draft vocabulary (model.draft_vocab_size): vLLM's lm_head [N, d] + d2t; not in `exports`.
+    "vanilla-reduced": dict(draft_vocab_size=96),
 }
 #: Real demo artifacts, checked when `make demo` / bench runs left them here.
 DEMO_TARGET = ROOT / "runs" / "models" / "smollm2-135m-instruct"
@@ -87,7 +89,25 @@ def exports(target, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("exports")
     out = {}
     for kind in KINDS:
+        if KINDS[kind].get("draft_vocab_size"):
+            continue  # reduced_export: vLLM only, checked on its own
         drafter = build_drafter(target, kind)
         export_drafter(drafter, str(root / kind), include_embeddings=True, dtype="float32")
         out[kind] = (drafter, str(root / kind))
     return out
+
+
+@pytest.fixture(scope="session")
+def reduced_export(target, tmp_path_factory) -> tuple:
+    """(drafter, fp32 export with the embedding) of a vanilla drafter whose reduced draft vocabulary
+    is 96 scattered ids (its lm_head in the export: those rows only)."""
+    from dspark_cli.model.export import export_drafter
+
+    torch.manual_seed(0)
+    drafter = build_drafter(target, "vanilla-reduced")
+    ids = torch.randperm(drafter.config.vocab_size, generator=torch.Generator().manual_seed(7))[:96]
+    drafter.draft_token_ids.copy_(ids.sort().values)
+    folder = tmp_path_factory.mktemp("reduced") / "export"
+    export_drafter(drafter, str(folder), include_embeddings=True, dtype="float32")
+    return drafter, str(folder)
+

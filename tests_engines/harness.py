@@ -176,9 +176,11 @@ def vllm_model(export_dir: str, target_dir: str, method: str, gamma: int):
         model = cls(vllm_config=config)
         with torch.no_grad():
             for p in model.parameters():
-                p.fill_(float("nan"))  # so an unwritten parameter shows
+                # so an unwritten parameter shows (an integer one, d2t, a value no offset takes)
+                p.fill_(float("nan") if p.is_floating_point() else -(2**62))
         model.load_weights(load_file(str(Path(export_dir) / "model.safetensors")).items())
-        unwritten = sorted(n for n, p in model.named_parameters() if torch.isnan(p).any())
+        unwritten = sorted(n for n, p in model.named_parameters()
+                           if (torch.isnan(p) if p.is_floating_point() else p == -(2**62)).any())
         # What load_weights wrote, before the CPU backend repacks linears for its GEMM kernels.
         loaded = {n: p.detach().clone() for n, p in model.named_parameters()}
         process_weights_after_loading(model, model_config, torch.device("cpu"))

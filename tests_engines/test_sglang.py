@@ -292,3 +292,15 @@ def assert_real_export_loads_in_sglang(folder: Path, monkeypatch) -> None:
     draft = sglang_draft(cfg)
     draft.load_weights(load_file(str(folder / "model.safetensors")).items())
     assert draft.routed
+
+
+def test_sglang_refuses_a_reduced_draft_vocabulary(reduced_export):
+    """SGLang 0.5.23's DSpark loader builds markov_w2 with the target's vocabulary and reads no d2t:
+    the export of model.draft_vocab_size fails its load, as `dspark export check` says."""
+    _, folder = reduced_export
+    cfg = config_of(folder)
+    draft = sglang_draft(cfg)
+    assert draft.markov_head.markov_w2.weight.shape[0] == cfg["vocab_size"]
+    with pytest.raises((ValueError, AssertionError), match="shape|load weight"):
+        draft.load_weights(load_file(str(Path(folder) / "model.safetensors")).items())
+

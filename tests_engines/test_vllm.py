@@ -92,7 +92,7 @@ def our_block(drafter, ctx_hidden, anchor_token, anchor_pos, prev):
         pos = anchor_pos + torch.arange(drafter.config.block_inputs)[None]
         full = drafter.backbone(ids, pos, ctx_kv, None)[0]
         hidden = drafter.draft_slots(full)
-        logits = drafter.lm_head(hidden)
+        logits = torch.nn.functional.linear(hidden, drafter.draft_head())  # [.., N] with a reduced vocabulary
         conf = None
         if drafter.markov_head is not None:
             z = drafter.markov_head.features(prev[None], hidden[None])[0]
@@ -304,3 +304,27 @@ def test_vllm_cpus_rejection_sampler_accepts_at_the_rate_our_drafts_predict():
         rows = reached[:, k]
         n, got, want = int(rows.sum()), int(accepted[rows, k].sum()), float(expect[rows, k].sum())
         assert abs(got - want) < 4 * (want * (1 - want / n)) ** 0.5, f"position {k + 1}: {got} vs {want:.0f}"
+
+
+def test_a_reduced_draft_vocabulary_loads_and_drafts_the_tokens_we_draft(target, reduced_export, sample):
+    """model.draft_vocab_size: vLLM's loader takes lm_head [N, d] and d2t, its draft logits (with the
+    Markov bias in draft space) equal ours over the N tokens, and its d2t maps every draft id to
+    the target id we propose."""
+    drafter, folder = reduced_export
+    ids = drafter.draft_token_ids
+    gamma = drafter.block_size
+    anchor = int(torch.nonzero(sample.loss_mask)[0]) + 3
+    ctx = sample.hidden_states[:anchor].float()
+    prev = torch.cat([sample.input_ids[anchor:anchor + 1], ids[torch.randint(0, ids.shape[0], (gamma - 1,))]])
+    block_ids, pos, ours, _, ctx_kv = our_block(drafter, ctx, int(sample.input_ids[anchor]), anchor, prev)
+    with vllm_model(folder, str(target), "dspark", gamma) as (model, _):
+        assert model.unwritten == ["model.mask_embedding"]  # lm_head [N, d] and d2t written too
+        assert torch.equal(model.loaded["draft_id_to_target_id"] + torch.arange(96), ids)
+        hidden = vllm_block_hidden(model, ctx_kv, block_ids, pos)
+        with torch.no_grad():
+            theirs = model.compute_draft_logits(hidden) + model.markov_bias(model.markov_embed(prev))
+            assert theirs.shape == (gamma, 96)
+            assert (theirs - ours).abs().max() < 1e-4
+            picked = theirs.argmax(-1)
+            assert torch.equal(model.map_draft_to_target(picked), ids[ours.argmax(-1)])
+

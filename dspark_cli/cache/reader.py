@@ -231,6 +231,27 @@ class CacheDataset(torch.utils.data.Dataset):
             final_rows = _bf16(fb_)  # [K, d]
         return Sample(shard.sample_ids[j], input_ids, loss_mask, hidden, final_rows, split=self.split_of(i))
 
+    def response_token_counts(self, vocab: int, max_tokens: int) -> np.ndarray:
+        """Counts [vocab] of this split's response (loss-masked) tokens, shard by shard from the
+        index arrays alone (no hidden states read), until at least `max_tokens` were counted."""
+        counts = np.zeros(vocab, dtype=np.int64)
+        seen = 0
+        for k in dict.fromkeys(self._shard_of.tolist()):  # shards in order, each once
+            try:
+                shard = self._shard(k)
+            except _BadChunk as e:
+                raise DsparkError(f"{self.url}: shard {store.shard_name(k)}: array '{e.array}' is corrupt "
+                                  f"({e.reason()}).") from None
+            chosen = np.zeros(len(shard.offsets) - 1, dtype=bool)
+            chosen[self._within[self._shard_of == k]] = True
+            in_split = np.repeat(chosen, np.diff(shard.offsets))
+            ids = shard.input_ids[in_split & shard.loss_mask.astype(bool)].astype(np.int64)
+            counts += np.bincount(ids, minlength=vocab)[:vocab]
+            seen += ids.size
+            if seen >= max_tokens:
+                break
+        return counts
+
     def set_order(self, order: Sequence[int] | torch.Tensor | np.ndarray) -> None:
         """Tell the prefetcher the iteration order (a sampler's indices, each at most once): kept
         as arrays, the order and each sample's place in it (16 bytes a sample)."""

@@ -47,6 +47,8 @@ class DrafterConfig:
     enable_confidence_head: bool = ModelSettings.enable_confidence_head
     confidence_head_with_markov: bool = ModelSettings.confidence_head_with_markov
     tie_k_norm: bool = ModelSettings.tie_k_norm
+    #: N > 0: a reduced draft vocabulary of N target tokens (the drafter's `draft_token_ids`).
+    draft_vocab_size: int = ModelSettings.draft_vocab_size
 
     def __post_init__(self) -> None:
         self.validate()
@@ -60,6 +62,11 @@ class DrafterConfig:
     def block_inputs(self) -> int:
         """Slots fed per block: γ (anchor_first) or γ + 1 (fill_in: the anchor slot's output is unused)."""
         return self.block_size + (1 if self.block_convention == "fill_in" else 0)
+
+    @property
+    def draft_vocab(self) -> int:
+        """Logits per draft slot: the reduced draft vocabulary's N, else the target's V."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def sample_from_anchor(self) -> bool:
@@ -77,6 +84,9 @@ class DrafterConfig:
             raise ConfigError(f"target.mask_token_id {self.mask_token_id} is not a row of the target "
                               f"embedding (vocab size {self.vocab_size}); pick a spare row "
                               f"< {self.vocab_size}.")
+        if not 0 <= self.draft_vocab_size < self.vocab_size:
+            raise ConfigError(f"model.draft_vocab_size {self.draft_vocab_size} must be smaller than the "
+                              f"target's vocabulary ({self.vocab_size}); 0 keeps the full vocabulary.")
         if self.markov_head_type not in MARKOV_TYPES:
             raise ConfigError(f"model.markov_head_type must be one of {', '.join(MARKOV_TYPES)}, "
                               f"got {self.markov_head_type!r}.")
@@ -123,7 +133,7 @@ class DrafterConfig:
             mask_token_id=int(mask_token_id),
             **{k: ms[k] for k in ("num_draft_layers", "block_size", "block_convention", "markov_head_type",
                                   "markov_rank", "enable_confidence_head", "confidence_head_with_markov",
-                                  "tie_k_norm")
+                                  "tie_k_norm", "draft_vocab_size")
                if k in ms},
         )
 

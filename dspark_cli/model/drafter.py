@@ -236,6 +236,12 @@ class DSparkDrafter(nn.Module):
         self.rotary = Rotary(config)
         self.markov_head = MarkovHead(config) if config.markov_head_type != "none" else None
         self.confidence_head = ConfidenceHead(config) if config.enable_confidence_head else None
+        #: A reduced draft vocabulary: the target ids of draft ids 0..N-1 (ascending; the trainer
+        #: picks them, train/draft_vocab.py). None: draft ids are target ids.
+        self.draft_token_ids: torch.Tensor | None
+        self.register_buffer("draft_token_ids", torch.arange(config.draft_vocab_size)
+                             if config.draft_vocab_size else None)
+        self._draft_head: tuple[tuple, torch.Tensor] | None = None
         self._init_weights()
         for p in (self.embed_tokens.weight, self.lm_head.weight):
             p.requires_grad_(False)  # the target's, frozen
@@ -271,6 +277,21 @@ class DSparkDrafter(nn.Module):
         for layer, kv in zip(self.layers, ctx_kv, strict=True):
             hidden = layer(hidden, block_rope, kv, mask)
         return self.norm(hidden)
+
+    def draft_head(self) -> torch.Tensor:
+        """The lm_head rows the drafter proposes from: [N, d] for a reduced draft vocabulary (kept
+        until the weight or the ids change), else the whole frozen [V, d] lm_head."""
+        weight, ids = self.lm_head.weight, self.draft_token_ids
+        if ids is None:
+            return weight
+        key = (weight.data_ptr(), weight._version, weight.dtype, ids.data_ptr(), ids._version)
+        if self._draft_head is None or self._draft_head[0] != key:
+            self._draft_head = (key, weight.detach()[ids].contiguous())
+        return self._draft_head[1]
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary ids → target token ids (the same ids without a reduced vocabulary)."""
+        return draft_ids if self.draft_token_ids is None else self.draft_token_ids[draft_ids]
 
     def draft_slots(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., n_in, d] per input slot → [..., γ, d] per draft token (fill_in drops the anchor slot)."""
@@ -350,9 +371,9 @@ class DSparkDrafter(nn.Module):
         # On 2-D rows: fill_in's slice is a strided [R, γ, d] that makes the Linear a batched matmul
         # copying the whole [V, d] weight per call (bf16 CPU: a 107 ms draft instead of 12 ms).
         gamma_slots = hidden.shape[1]
-        base = vocab_logits(hidden.reshape(R * gamma_slots, -1).to(self.lm_head.weight.dtype),
-                            self.lm_head.weight)
-        full_base = base.view(R, gamma_slots, -1)  # [R, γ, V]
+        head = self.draft_head()
+        base = vocab_logits(hidden.reshape(R * gamma_slots, -1).to(head.dtype), head)
+        full_base = base.view(R, gamma_slots, -1)  # [R, γ, V], V the draft vocabulary (support: draft ids)
         vocab = full_base.shape[-1]
         truncated = 0 < top_k < vocab
         if truncated:
@@ -386,6 +407,7 @@ class DSparkDrafter(nn.Module):
             else:
                 p = torch.softmax(logits / temperature, dim=-1)
                 choice = draw(p, generator)
+            slot_support = self.to_target_ids(slot_support)
             prev = slot_support[rows, choice]
             tokens.append(prev)
             probs.append(p)

@@ -22,7 +22,7 @@ from typing import Any
 
 from .. import storage, vllm_cpu_fix
 from ..errors import DsparkError
-from .export import DFLASH_ARCH, DSPARK_ARCH, WEIGHTS
+from .export import D2T, DFLASH_ARCH, DSPARK_ARCH, WEIGHTS
 from .locate import LEGACY_PRIVATE_KEY, PRIVATE_KEY
 
 SGLANG, VLLM = "SGLang", "vLLM"
@@ -115,7 +115,11 @@ def expected_weights(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     out = {f"layers.{i}.{k}": s for i in range(cfg["num_hidden_layers"]) for k, s in layer.items()}
     out.update({"fc.weight": (d, m * d), "hidden_norm.weight": (d,), "norm.weight": (d,)})
     if cfg["architectures"] == [DSPARK_ARCH]:
-        out.update({"markov_head.markov_w1.weight": (vocab, r), "markov_head.markov_w2.weight": (vocab, r)})
+        draft_vocab = cfg.get("draft_vocab_size") or vocab
+        out.update({"markov_head.markov_w1.weight": (vocab, r),
+                    "markov_head.markov_w2.weight": (draft_vocab, r)})
+        if cfg.get("draft_vocab_size"):  # vLLM refuses a reduced vocabulary without its own head and d2t
+            out.update({"lm_head.weight": (draft_vocab, d), D2T: (draft_vocab,)})
         if cfg["markov_head_type"] == "gated":
             out.update({"markov_head.gate_proj.weight": (r, d + r), "markov_head.gate_proj.bias": (r,)})
         elif cfg["markov_head_type"] == "rnn":
@@ -200,6 +204,13 @@ def _sglang(report: CheckReport, cfg: dict[str, Any], weights_ok: bool, files_gi
             report.add(SGLANG, IGNORED, "the STS and SPS files are DSPARK-only; DFLASH reads neither")
         return
     kind = cfg["markov_head_type"]
+    if cfg.get("draft_vocab_size"):
+        report.loads[SGLANG] = False
+        report.add(SGLANG, FAIL, f"a reduced draft vocabulary ({cfg['draft_vocab_size']} tokens): SGLang "
+                                 "0.5.23's DSpark loader reads no d2t and builds markov_w2 with the target's "
+                                 f"{cfg['vocab_size']} rows, so it refuses this export (serve it with vLLM, "
+                                 "or train with model.draft_vocab_size = 0 for SGLang)")
+        return
     if kind not in ("vanilla", "gated", "rnn") or cfg["markov_rank"] < 1:
         report.loads[SGLANG] = False
         report.add(SGLANG, FAIL, f"refuses markov_head_type={kind!r} / markov_rank={cfg['markov_rank']} "
@@ -392,7 +403,7 @@ def check_export(folder: str, calibration: str | None = None, sps: str | None = 
 
 
 def _target_vocab(report: CheckReport, cfg: dict[str, Any], target: str) -> None:
-    """A draft vocabulary that differs from the target's is refused by vLLM and mis-served by SGLang."""
+    """The drafter's vocabulary against the target's: the same ids, all of them or a reduced set."""
     url = storage.join(target, "config.json") if target != "TARGET" else ""
     try:
         if not url or not storage.exists(url):
@@ -403,8 +414,11 @@ def _target_vocab(report: CheckReport, cfg: dict[str, Any], target: str) -> None
     tvocab = (tcfg.get("text_config") or tcfg).get("vocab_size")
     if tvocab is not None and tvocab != cfg["vocab_size"]:
         report.add("", FAIL, f"vocab_size {cfg['vocab_size']} differs from the target's {tvocab} ({target}): "
-                             "vLLM refuses a draft vocabulary other than the target's, and dspark never "
-                             "writes the d2t mapping a reduced vocabulary needs")
+                             "the drafter reads the target's token ids (a reduced draft vocabulary is "
+                             "draft_vocab_size with a d2t map, never a smaller vocab_size)")
+    elif tvocab is not None and cfg.get("draft_vocab_size"):
+        report.add("", OK, f"vocabulary: a reduced draft vocabulary of {cfg['draft_vocab_size']} of the "
+                           f"target's {tvocab} tokens (its own lm_head rows and d2t)")
     elif tvocab is not None:
         report.add("", OK, f"vocabulary: the target's full {tvocab} rows (no reduced vocabulary)")
 

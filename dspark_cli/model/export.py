@@ -37,6 +37,9 @@ DFLASH_ARCH = "DFlashDraftModel"
 NOOP_MARKOV_RANK = 1
 NOOP_MARKOV_KEYS = ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight")
 WEIGHTS = "model.safetensors"
+#: The reduced vocabulary's id map in an export; `draft_token_ids` (target ids) in a checkpoint.
+D2T = "d2t"
+DRAFT_IDS = "draft_token_ids"
 
 
 def architecture_for(config: DrafterConfig, requested: str | None = None) -> str:
@@ -105,7 +108,17 @@ def export_config(config: DrafterConfig, architecture: str, dtype: str) -> dict[
         # Everything load_drafter needs to rebuild the module exactly, under a key no engine reads.
         PRIVATE_KEY: config.to_dict(),
     }
+    if config.draft_vocab_size:  # vLLM's reduced vocabulary: lm_head [N, d] and d2t in the weights
+        out["draft_vocab_size"] = config.draft_vocab_size
     return out
+
+
+def reduced_vocab_tensors(drafter: DSparkDrafter) -> dict[str, torch.Tensor]:
+    """A reduced draft vocabulary as vLLM (and EAGLE-3's d2t convention) reads it: its own
+    `lm_head.weight` [N, d] (the target's rows) and `d2t` [N], the offset of each draft id's target
+    id (target = draft + d2t[draft])."""
+    ids = drafter.draft_token_ids
+    return {"lm_head.weight": drafter.draft_head(), D2T: ids - torch.arange(ids.shape[0], device=ids.device)}
 
 
 def needs_noop_markov(config: DrafterConfig) -> bool:
@@ -133,7 +146,11 @@ def export_drafter(drafter: DSparkDrafter, out_url: str, include_embeddings: boo
     if include_embeddings:
         tensors["embed_tokens.weight"] = drafter.embed_tokens.weight
         tensors["lm_head.weight"] = drafter.lm_head.weight
-    tensors = {k: v.detach().to("cpu", torch_dt).contiguous() for k, v in tensors.items()}
+    if drafter.draft_token_ids is not None:
+        del tensors[DRAFT_IDS]
+        tensors.update(reduced_vocab_tensors(drafter))
+    tensors = {k: v.detach().to("cpu", torch_dt if v.is_floating_point() else v.dtype).contiguous()
+               for k, v in tensors.items()}
     storage.write_bytes(storage.join(out_url, WEIGHTS), st_save(tensors, metadata={"format": "pt"}))
     storage.write_json(storage.join(out_url, "config.json"), config)
     return config
@@ -182,6 +199,10 @@ def load_drafter(path: str, target: str | None = None, device: str | torch.devic
     tensors = upgrade_legacy_markov(tensors, config.markov_head_type, f"{url}/{WEIGHTS}")
     if needs_noop_markov(config):
         tensors = {k: v for k, v in tensors.items() if k not in NOOP_MARKOV_KEYS}
+    if config.draft_vocab_size and D2T in tensors:  # an export: its lm_head holds the draft rows only
+        d2t = tensors.pop(D2T)
+        tensors[DRAFT_IDS] = d2t + torch.arange(d2t.shape[0], dtype=d2t.dtype)
+        tensors.pop("lm_head.weight", None)
     drafter = DSparkDrafter(config)
     expected = set(drafter.trainable_state_dict())
     frozen_in_file = {"embed_tokens.weight", "lm_head.weight"} <= set(tensors)
@@ -190,7 +211,7 @@ def load_drafter(path: str, target: str | None = None, device: str | torch.devic
     if missing or unknown:
         raise DsparkError(f"{url}/{WEIGHTS}: weights do not match the drafter config "
                           f"(missing {missing[:3]}, unexpected {unknown[:3]}).")
-    state = {k: v.float() for k, v in tensors.items()}
+    state = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
     drafter.load_state_dict(state, strict=False)
     if not frozen_in_file:
         source = target or config.target_model

@@ -38,7 +38,7 @@ class MarkovHead(nn.Module):
         r, d = config.markov_rank, config.hidden_size
         self.rank = r
         self.markov_w1 = nn.Embedding(config.vocab_size, r)
-        self.markov_w2 = nn.Linear(r, config.vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(r, config.draft_vocab, bias=False)  # logits of the draft vocabulary
         if self.kind == "gated":
             self.gate_proj = nn.Linear(d + r, r, bias=True)
         elif self.kind == "rnn":
@@ -82,7 +82,7 @@ class MarkovHead(nn.Module):
         return self._rnn(state if state is not None else e.new_zeros(e.shape), e, hidden)
 
     def bias(self, z: torch.Tensor) -> torch.Tensor:
-        """W2·z: [..., r] → [..., V]."""
+        """W2·z: [..., r] → [..., V] (V: the draft vocabulary)."""
         return self.markov_w2(z)
 
     @torch.inference_mode()  # the kept table is then always an inference tensor, updatable in any mode

@@ -30,6 +30,11 @@ class ModelSettings(Section):
     #: One k_norm weight shared by every draft layer. vLLM-CPU 0.32 normalises every layer's context
     #: keys with layer 0's k_norm (docs/engines.md): a drafter trained with this serves there exactly.
     tie_k_norm: bool = False
+    #: N > 0: the drafter proposes only the N tokens most frequent in the training responses (a
+    #: reduced draft vocabulary, `d2t` in vLLM's export). Training and drafting then compute N logits
+    #: a slot instead of the target's whole vocabulary; vLLM serves it, SGLang's DSpark loader does
+    #: not (docs/train.md). 0: the target's full vocabulary.
+    draft_vocab_size: int = 0
 
     def validate(self) -> None:
         if self.num_draft_layers <= 0:
@@ -43,3 +48,6 @@ class ModelSettings(Section):
                       f"must be vanilla, gated, rnn or none, got {self.markov_head_type!r}.")
         if self.markov_rank <= 0:
             self.fail("markov_rank", f"must be > 0, got {self.markov_rank}.")
+        if self.draft_vocab_size < 0:
+            self.fail("draft_vocab_size", f"must be 0 (the full vocabulary) or > 0, "
+                                          f"got {self.draft_vocab_size}.")

@@ -27,10 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ConfigError
 from ..model.drafter import DSparkDrafter
 from .blocks import PackedBatch
 from .vocab_fast import Packed, VocabWorkspace, fast_vocab_terms
 from .vocab_kernel import VocabKernel
+
+DRAFT_VOCAB_NEEDS_FAST_KERNELS = ("model.draft_vocab_size needs train.fast_kernels = true (the earlier loss "
+                                  "path computes the full vocabulary only).")
 
 
 @dataclass
@@ -48,20 +52,29 @@ def slot_weights(gamma: int, gamma_decay: float, device: torch.device | str = "c
 
 def _vocab_terms(lm_head: torch.Tensor, markov_w2: torch.Tensor | None, hidden: torch.Tensor,
                  z: torch.Tensor | None, target_hidden: torch.Tensor, labels: torch.Tensor,
-                 weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 weight: torch.Tensor, draft_ids: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The vocabulary-wide part for some blocks → (ΣwCE, ΣwTV, c* [n, γ] detached).
 
     hidden/target_hidden [n, γ, d], z [n, γ, r] (Markov feature, None without a head),
-    labels [n, γ], weight [n, γ] (0 on unsupervised slots).
+    labels [n, γ], weight [n, γ] (0 on unsupervised slots). With a reduced draft vocabulary
+    (draft_ids [N], target ids) p_d lives on those N tokens and is zero elsewhere: labels are draft
+    ids (-1: outside it, no CE) and TV counts the target's mass outside as a difference too.
     """
-    logits = F.linear(hidden.to(lm_head.dtype), lm_head).float()  # [n, γ, V]
+    draft_head = lm_head if draft_ids is None else lm_head[draft_ids]
+    logits = F.linear(hidden.to(lm_head.dtype), draft_head).float()  # [n, γ, N]
     if z is not None:
         logits = logits + F.linear(z, markov_w2).float()
     logp_d = torch.log_softmax(logits, dim=-1)
     with torch.no_grad():
         p_t = torch.softmax(F.linear(target_hidden.to(lm_head.dtype), lm_head).float(), dim=-1)
-    ce = -logp_d.gather(-1, labels.unsqueeze(-1)).squeeze(-1)  # [n, γ]
-    tv = 0.5 * (logp_d.exp() - p_t).abs().sum(-1)  # [n, γ]
+        outside = 0.0
+        if draft_ids is not None:
+            p_t = p_t[..., draft_ids]
+            outside = (1.0 - p_t.sum(-1)).clamp_min(0.0)
+    in_vocab = labels >= 0
+    ce = -logp_d.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1) * in_vocab  # [n, γ]
+    tv = 0.5 * ((logp_d.exp() - p_t).abs().sum(-1) + outside)  # [n, γ]
     return (weight * ce).sum(), (weight * tv).sum(), (1.0 - tv).detach().clamp(0.0, 1.0)
 
 
@@ -197,9 +210,13 @@ class _ChunkedVocab(torch.autograd.Function):
 def _fast_chunks(ws: VocabWorkspace, head: Packed, w2_packed: Packed | None, hidden: torch.Tensor,
                  z: torch.Tensor | None, z_index: torch.Tensor | None, target_hidden: torch.Tensor,
                  labels: torch.Tensor, weight: torch.Tensor, ce_coef: float, tv_coef: float, chunk: int,
-                 need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+                 need_grad: bool, reduced: tuple[Packed, torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
     """`_vocab_chunks` through `vocab_fast` (train.fast_kernels). z is per row [N, γ, r], or for
-    the vanilla head the batch's distinct features [U, r] with z_index [N, γ] naming each row's."""
+    the vanilla head the batch's distinct features [U, r] with z_index [N, γ] naming each row's.
+    `reduced`: (the target's whole packed head, the draft vocabulary's target ids) when `head`
+    holds a reduced draft vocabulary's rows (labels then draft ids, -1 outside)."""
+    target, draft_ids = reduced if reduced is not None else (None, None)
     grad_hidden = torch.empty_like(hidden) if need_grad else None
     grad_z = grad_w2 = None
     if need_grad and z is not None:
@@ -215,7 +232,7 @@ def _fast_chunks(ws: VocabWorkspace, head: Packed, w2_packed: Packed | None, hid
             zc = z.detach()[tokens]
         ce, tv, cs, grads = fast_vocab_terms(ws, head, w2_packed, hidden[sl].detach(), zc, zi,
                                              target_hidden[sl], labels[sl], weight[sl], ce_coef, tv_coef,
-                                             need_grad, grad_w2)
+                                             need_grad, grad_w2, target, draft_ids)
         if need_grad:
             grad_hidden[sl] = grads[0]
             if z is not None:
@@ -234,10 +251,10 @@ class _FastVocab(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, z, markov_w2, ws, head, w2_packed, z_index, target_hidden, labels, weight,
-                ce_coef, tv_coef, chunk):
+                ce_coef, tv_coef, chunk, reduced):
         ce_sum, tv_sum, c_star, (grad_hidden, grad_z, grad_w2) = _fast_chunks(
             ws, head, w2_packed, hidden, z, z_index, target_hidden, labels, weight, ce_coef, tv_coef, chunk,
-            need_grad=True)
+            need_grad=True, reduced=reduced)
         ctx.has_z = z is not None
         if ctx.has_z:
             grad_w2 = grad_w2.to(markov_w2.dtype)
@@ -254,7 +271,7 @@ class _FastVocab(torch.autograd.Function):
         grad_hidden = saved[0].mul_(grad_objective)
         grad_z = saved[1].mul_(grad_objective) if ctx.has_z else None
         grad_w2 = saved[2].mul_(grad_objective) if ctx.has_z else None
-        return (grad_hidden, grad_z, grad_w2, *(None,) * 10)
+        return (grad_hidden, grad_z, grad_w2, *(None,) * 11)
 
 
 class DrafterLoss(nn.Module):
@@ -274,6 +291,21 @@ class DrafterLoss(nn.Module):
         #: The BCE reaches only the confidence head's own weights (train.detach_confidence_inputs).
         self.detach_confidence_inputs = detach_confidence_inputs
         self._head_cache: tuple[tuple, torch.Tensor] | None = None
+        self._draft_of: tuple[tuple, torch.Tensor] | None = None
+        if drafter.draft_token_ids is not None and not fast_kernels:
+            raise ConfigError(DRAFT_VOCAB_NEEDS_FAST_KERNELS)
+
+    def draft_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Target-id labels → draft ids of a reduced draft vocabulary, -1 for tokens outside it."""
+        ids = self.drafter.draft_token_ids
+        if ids is None:
+            return labels
+        key = (ids.data_ptr(), ids._version, ids.device)
+        if self._draft_of is None or self._draft_of[0] != key:
+            table = torch.full((self.drafter.config.vocab_size,), -1, dtype=torch.long, device=ids.device)
+            table[ids] = torch.arange(ids.shape[0], device=ids.device)
+            self._draft_of = (key, table)
+        return self._draft_of[1][labels]
 
     def head_for_matmul(self, dtype: torch.dtype | None) -> torch.Tensor:
         """The frozen lm_head in the matmul dtype, cast once: autocast would recast the
@@ -306,21 +338,25 @@ class DrafterLoss(nn.Module):
             z = d.markov_head.embed_prev(tokens)  # [U, r]
         else:
             z = d.markov_head.features(prev, hidden) if d.markov_head is not None else None  # [N, γ, r]
+        labels = self.draft_labels(batch.labels)
         if fast:
-            head = self.workspace.head(d.lm_head.weight, compute_dtype(hidden.device.type) or
-                                       d.lm_head.weight.dtype)
+            dtype = compute_dtype(hidden.device.type) or d.lm_head.weight.dtype
+            head = self.workspace.head(d.draft_head(), dtype)
+            reduced = None
+            if d.draft_token_ids is not None:
+                reduced = (self.workspace.head(d.lm_head.weight, dtype, name="target"), d.draft_token_ids)
             w2_packed = self.workspace.markov(w2, head.dtype) if w2 is not None else None
-            rest = (z_index, batch.target_hidden, batch.labels, weight, w.ce, w.tv, step)
+            rest = (z_index, batch.target_hidden, labels, weight, w.ce, w.tv, step)
             if torch.is_grad_enabled():
                 vocab_objective, ce_sum, tv_sum, c_star = _FastVocab.apply(
-                    hidden, z, w2, self.workspace, head, w2_packed, *rest)
+                    hidden, z, w2, self.workspace, head, w2_packed, *rest, reduced)
             else:
                 ce_sum, tv_sum, c_star, _ = _fast_chunks(self.workspace, head, w2_packed, hidden, z, *rest,
-                                                         need_grad=False)
+                                                         need_grad=False, reduced=reduced)
                 vocab_objective = w.ce * ce_sum + w.tv * tv_sum
         elif reference:  # the autograd reference
             ce_sum, tv_sum, c_star = _vocab_terms(d.lm_head.weight, w2, hidden, z, batch.target_hidden,
-                                                  batch.labels, weight)
+                                                  labels, weight, d.draft_token_ids)
             vocab_objective = w.ce * ce_sum + w.tv * tv_sum
         else:
             head = self.head_for_matmul(compute_dtype(hidden.device.type))

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .. import storage
 from ..config import PipelineConfig
 from ..console import console
-from ..errors import DsparkError, StageConflictError
+from ..errors import ConfigError, DsparkError, StageConflictError
 from ..manifest import fingerprint, prepare_stage, read_manifest
 from ..model.attention import step_mask, use_flex
 from ..model.card import refresh_card
@@ -47,8 +47,9 @@ from . import checkpoint as ckpt
 from . import vocab_kernel
 from .confidence_bias import flatten_slots, held_out_shift
 from .data import BatchMaker, StepPlan, plan_items
+from .draft_vocab import choose_draft_vocab, coverage, response_token_counts
 from .host_memory import keep_freed_memory
-from .loss import DrafterLoss, LossWeights, summarize
+from .loss import DRAFT_VOCAB_NEEDS_FAST_KERNELS, DrafterLoss, LossWeights, summarize
 from .metrics import MetricsLog
 from .prefetch import Prefetcher
 from .validate import evaluate
@@ -185,8 +186,16 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
               + (MARKOV_HEAD_KEYS if dcfg.markov_head_type == "none" else ()))
     for key in absent:
         train_config.pop(key, None)
+    model_config = cfg.model.to_dict()
+    if not model_config["draft_vocab_size"]:  # the full vocabulary: a run of the release before resumes
+        del model_config["draft_vocab_size"]
+    if dcfg.draft_vocab_size and online:
+        raise ConfigError("model.draft_vocab_size needs a cache-fed run: its tokens are counted from the "
+                          "cache's responses (train.source = cache).")
+    if dcfg.draft_vocab_size and not tc.fast_kernels:  # before the claim, not at the loss
+        raise ConfigError(DRAFT_VOCAB_NEEDS_FAST_KERNELS)
     stage_config = {"target": {**cfg.target.to_dict(), "layers": list(dcfg.target_layer_ids)},
-                    "model": cfg.model.to_dict(), "train": train_config}
+                    "model": model_config, "train": train_config}
     if online:  # what `cache build` would have recorded about rendering
         stage_config["online"] = {"max_length": cfg.cache.max_length,
                                   "min_loss_tokens": cfg.cache.min_loss_tokens}
@@ -205,6 +214,12 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
         attach_frozen(built, dcfg.target_model)  # reads the target's embedding: the stage's probe
         init_gain = set_output_gain(built, tc.init_output_gain, dataset)  # a resume then loads its own
         init_markov_rows(built.markov_head, built.embed_tokens.weight, tc.markov_init)
+        if dcfg.draft_vocab_size:
+            counts = response_token_counts(dataset, dcfg.vocab_size)
+            built.draft_token_ids.copy_(choose_draft_vocab(counts, dcfg.draft_vocab_size))
+            console.print(f"  draft vocabulary: the {dcfg.draft_vocab_size} most frequent of "
+                          f"{int(counts.sum())} response tokens counted, "
+                          f"{coverage(counts, built.draft_token_ids):.2%} of them")
         return built
 
     drafter = None

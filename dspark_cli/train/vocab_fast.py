@@ -80,19 +80,19 @@ class VocabWorkspace:
     def __init__(self, kernel: VocabKernel | None = None) -> None:
         #: The compiled elementwise kernel (train.compile_vocab), None: the eager passes below.
         self.kernel = kernel
-        self._head_key: tuple | None = None
-        self._head: Packed | None = None
+        self._heads: dict[str, tuple[tuple, Packed]] = {}
         self._markov: Packed | None = None
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def head(self, lm_head: torch.Tensor, dtype: torch.dtype) -> Packed:
-        """The frozen lm_head packed in the matmul dtype; rebuilt only when the weight changes."""
+    def head(self, lm_head: torch.Tensor, dtype: torch.dtype, name: str = "head") -> Packed:
+        """A frozen head packed in the matmul dtype; rebuilt only when the weight changes. `name`
+        keeps several apart (a reduced draft vocabulary's rows beside the target's whole head)."""
         key = (lm_head.data_ptr(), lm_head._version, lm_head.device, dtype)
-        if self._head_key != key:
-            self._head = None  # free the old copy before making the new one
-            self._head = Packed(lm_head, dtype)
-            self._head_key = key
-        return self._head
+        kept = self._heads.get(name)
+        if kept is None or kept[0] != key:
+            self._heads.pop(name, None)  # free the old copy before making the new one
+            kept = self._heads[name] = (key, Packed(lm_head, dtype))
+        return kept[1]
 
     def markov(self, w2: torch.Tensor, dtype: torch.dtype) -> Packed:
         """W2 [V, r] in the matmul dtype, copied into the same memory every step (it is trained)."""
@@ -161,7 +161,8 @@ def fast_vocab_terms(ws: VocabWorkspace, head: Packed, w2: Packed | None,
                      hidden: torch.Tensor, z: torch.Tensor | None, z_index: torch.Tensor | None,
                      target_hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
                      ce_coef: float, tv_coef: float, need_grad: bool,
-                     grad_w2: torch.Tensor | None = None,
+                     grad_w2: torch.Tensor | None = None, target: Packed | None = None,
+                     draft_ids: torch.Tensor | None = None,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
     """One chunk: (ΣwCE, ΣwTV, c* [n, γ], grads) as `loss._fused_vocab_terms` returns them.
 
@@ -170,8 +171,13 @@ def fast_vocab_terms(ws: VocabWorkspace, head: Packed, w2: Packed | None,
     grads = (∂/∂hidden [n, γ, d], ∂/∂z shaped like z). ∂/∂W2 [V, r] is added into `grad_w2`
     (float32, every chunk into the same tensor: a fresh [V, r] product per chunk cost more in page
     faults than its multiplication).
+
+    A reduced draft vocabulary: `head` holds its N rows, `target` the whole lm_head and draft_ids
+    [N] the target ids of the draft's; labels are draft ids (-1: outside, no CE). p_t is the full
+    softmax's N columns, and its mass outside them counts in TV (loss._vocab_terms).
     """
-    if ws.kernel is not None and not ws.kernel.failed:
+    reduced = draft_ids is not None
+    if ws.kernel is not None and not ws.kernel.failed and not reduced:
         out = _compiled_vocab_terms(ws, head, w2, hidden, z, z_index, target_hidden, labels, weight,
                                     ce_coef, tv_coef, need_grad, grad_w2)
         if out is not None:
@@ -181,6 +187,10 @@ def fast_vocab_terms(ws: VocabWorkspace, head: Packed, w2: Packed | None,
     vocab = head.vocab
     labels = labels.reshape(-1, 1)
     w = weight.reshape(-1, 1).float()
+    ce_w = w
+    if reduced:
+        ce_w = w * (labels >= 0)
+        labels = labels.clamp_min(0)
     h = hidden.reshape(rows, -1).to(cdt)
     p = ws.buffer("p", rows, vocab, _F32, device)
     ws.mm_into(p, h, head.forward_operand())
@@ -198,24 +208,31 @@ def fast_vocab_terms(ws: VocabWorkspace, head: Packed, w2: Packed | None,
     p.div_(total)
     ce = (top + total.log() - picked).squeeze(-1)  # −log p[y]
     states, state_index = torch.unique(target_hidden.reshape(rows, -1), dim=0, return_inverse=True)
-    q = ws.buffer("q", states.shape[0], vocab, _F32, device, reserve_rows=rows)
-    ws.mm_into(q, states.to(cdt), head.forward_operand())
+    full = target or head
+    q = ws.buffer("q", states.shape[0], full.vocab, _F32, device, reserve_rows=rows)
+    ws.mm_into(q, states.to(cdt), full.forward_operand())
     _softmax_(q)
+    outside = None
+    if reduced:  # the draft's columns of p_t, and the mass it can never propose
+        q = torch.index_select(q, 1, draft_ids, out=ws.buffer("q_draft", states.shape[0], vocab, _F32, device,
+                                                             reserve_rows=rows))
+        outside = (1.0 - q.sum(-1)).clamp_min_(0.0)[state_index]
     diff = _gather_rows(q, state_index, ws.buffer("s", rows, vocab, _F32, device))
     torch.sub(p, diff, out=diff)  # p − q
-    tv = 0.5 * torch.linalg.vector_norm(diff, ord=1, dim=-1)
+    tv = torch.linalg.vector_norm(diff, ord=1, dim=-1)
+    tv = 0.5 * (tv if outside is None else tv + outside)
     wf = w.squeeze(-1)
-    ce_sum, tv_sum = (wf * ce).sum(), (wf * tv).sum()
+    ce_sum, tv_sum = (ce_w.squeeze(-1) * ce).sum(), (wf * tv).sum()
     c_star = (1.0 - tv).clamp(0.0, 1.0).view(n, gamma)
     if not need_grad:
         return ce_sum, tv_sum, c_star, None
     if tv_coef != 0.0:
         sp = diff.sign_().mul_(p)  # s·p
         m = sp.sum(-1, keepdim=True)
-        grad = sp.mul_(0.5 * tv_coef * w).addcmul_(p, (ce_coef - 0.5 * tv_coef * m) * w)
+        grad = sp.mul_(0.5 * tv_coef * w).addcmul_(p, ce_coef * ce_w - 0.5 * tv_coef * m * w)
     else:
-        grad = p.mul_(ce_coef * w)
-    grad.scatter_add_(-1, labels, -ce_coef * w)
+        grad = p.mul_(ce_coef * ce_w)
+    grad.scatter_add_(-1, labels, -ce_coef * ce_w)
     g = ws.narrow(grad, cdt)
     grad_hidden = torch.mm(g, head.backward_operand()).view(n, gamma, -1).to(hidden.dtype)
     if z is None:
