@@ -1,7 +1,7 @@
 """Training throughput of a SmolLM2-135M-sized drafter: train.fast_kernels on vs off, in one run.
 
     .venv/bin/python -m benchmarks.bench_train [--draft-layers 2] [--steps 5] [--threads 2]
-        [--precision auto] [--paths fast,earlier] [--chunks 64]
+        [--precision auto] [--paths fast,earlier] [--chunks 64] [--draft-vocabs 0,8192]
 
 Shapes are SmolLM2-135M's (vocab 49152, hidden 576, 9 heads / 3 KV heads, head dim 64,
 intermediate 1536, 30 target layers, tied embeddings); γ = 7 and 512 anchors per sample. The
@@ -11,7 +11,8 @@ bf16 tensors of a 1024-token sample. Each setting runs in a fresh process, so it
 (ru_maxrss) is its own. Per setting: optimizer steps per second, and the FLOP/s achieved, its
 FLOPs counted by FlopCounterMode on the warm-up step (matmuls; CPU SDPA is not counted), beside
 the machine's peak: a 2048 × 2048 matmul in the step's precision, timed in the same run.
-`--chunks 64,0` adds the unchunked loss (peak memory of chunking vs not).
+`--chunks 64,0` adds the unchunked loss (peak memory of chunking vs not). `--draft-vocabs 0,8192`
+adds a reduced draft vocabulary (model.draft_vocab_size) to the fast path's settings.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def child(args: argparse.Namespace) -> None:
     sample = Sample("bench", torch.randint(0, VOCAB - 1, (SEQ,), generator=gen), loss_mask,
                     torch.randn(SEQ, len(LAYERS) * HIDDEN, generator=gen).to(torch.bfloat16),
                     torch.randn(int(loss_mask.sum()), HIDDEN, generator=gen).to(torch.bfloat16))
-    settings = {"num_draft_layers": args.draft_layers, "block_size": GAMMA}
+    settings = {"num_draft_layers": args.draft_layers, "block_size": GAMMA,
+                "draft_vocab_size": args.draft_vocab}
     config = DrafterConfig.from_target(load_config(args.target), layers=LAYERS,
                                        mask_token_id=VOCAB - 1, model_settings=settings,
                                        target_model=args.target)
@@ -123,6 +125,7 @@ def child(args: argparse.Namespace) -> None:
     per_step = statistics.median(times)
     compiled = compiled and not module.workspace.kernel.failed
     print(json.dumps({"path": args.path, "compiled": compiled, "first_step_seconds": first_step,
+                      "draft_vocab": args.draft_vocab,
                       "chunk_blocks": args.chunk, "anchors": batch.num_blocks,
                       "gamma": GAMMA, "draft_layers": args.draft_layers, "threads": args.threads,
                       "steps": args.steps, "precision": args.precision, "flops_per_step": flops,
@@ -162,6 +165,9 @@ def main() -> None:
                         help="settings to compare: fast (train.fast_kernels, compile_vocab auto), "
                              "fast-eager (fast_kernels, compile_vocab false), earlier (fast_kernels false)")
     parser.add_argument("--chunks", default="64", help="loss_chunk_blocks settings to compare (0 = off)")
+    parser.add_argument("--draft-vocabs", default="0",
+                        help="model.draft_vocab_size settings of the fast paths (0 = the full vocabulary)")
+    parser.add_argument("--draft-vocab", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--path", default="fast", help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, default=64, help=argparse.SUPPRESS)
@@ -186,30 +192,41 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         make_target(Path(tmp))
-        for path in args.paths.split(","):
-            for chunk in (int(c) for c in args.chunks.split(",")):
-                cmd = [sys.executable, __file__, "--child", "--path", path, "--chunk", str(chunk),
-                       "--target", tmp, "--draft-layers", str(args.draft_layers), "--steps", str(args.steps),
-                       "--threads", str(args.threads), "--precision", args.precision]
-                env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-                if proc.returncode != 0:
-                    sys.exit(f"setting {path} chunk={chunk} failed:\n{proc.stderr[-3000:]}")
-                r = json.loads(proc.stdout.strip().splitlines()[-1])
-                results.append(r)
-                tag = "" if path == "fast" else f"[{path}]"
-                chunking = f"chunk {chunk} blocks" if chunk else "no chunking"
-                print(f"bench-train{tag} steps_per_s={r['steps_per_s']:.4f} achieved_tflops="
-                      f"{r['achieved_tflops']:.4f} peak_tflops={peak:.4f}", flush=True)
-                kernels = {"fast": f"true, compile_vocab={'true' if r['compiled'] else 'false'}",
-                           "fast-eager": "true, compile_vocab=false"}.get(path, "false")
-                print(f"  fast_kernels={kernels}, {chunking}: first step {r['first_step_seconds']:.1f} s, "
-                      f"{r['seconds_per_step']:.2f} s/step (median of {r['step_seconds']}), "
-                      f"{r['flops_per_step'] / 1e9:.0f} GFLOP/step "
-                      f"(FlopCounterMode), {r['anchor_slots_per_s']:.0f} anchor-slots/s, peak RSS "
-                      f"{r['peak_rss_mb']:.0f} MB (+{r['peak_rss_mb'] - r['setup_rss_mb']:.0f} over setup), "
-                      f"loss {r['first_loss']:.4f} → {r['loss']:.4f}", flush=True)
-    runs = {(r["path"], r["chunk_blocks"]): r for r in results}
+        vocabs = [int(v) for v in args.draft_vocabs.split(",")]
+        settings = [(path, chunk, vocab) for path in args.paths.split(",")
+                    for chunk in (int(c) for c in args.chunks.split(","))
+                    for vocab in (vocabs if path != "earlier" else [0])]
+        for path, chunk, vocab in settings:
+            cmd = [sys.executable, __file__, "--child", "--path", path, "--chunk", str(chunk),
+                   "--target", tmp, "--draft-layers", str(args.draft_layers), "--steps", str(args.steps),
+                   "--threads", str(args.threads), "--precision", args.precision,
+                   "--draft-vocab", str(vocab)]
+            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if proc.returncode != 0:
+                sys.exit(f"setting {path} chunk={chunk} failed:\n{proc.stderr[-3000:]}")
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            results.append(r)
+            tag = "" if path == "fast" else f"[{path}]"
+            tag += f"[draft_vocab={vocab}]" if vocab else ""
+            chunking = f"chunk {chunk} blocks" if chunk else "no chunking"
+            print(f"bench-train{tag} steps_per_s={r['steps_per_s']:.4f} achieved_tflops="
+                  f"{r['achieved_tflops']:.4f} peak_tflops={peak:.4f}", flush=True)
+            kernels = {"fast": f"true, compile_vocab={'true' if r['compiled'] else 'false'}",
+                       "fast-eager": "true, compile_vocab=false"}.get(path, "false")
+            print(f"  fast_kernels={kernels}, {chunking}: first step {r['first_step_seconds']:.1f} s, "
+                  f"{r['seconds_per_step']:.2f} s/step (median of {r['step_seconds']}), "
+                  f"{r['flops_per_step'] / 1e9:.0f} GFLOP/step "
+                  f"(FlopCounterMode), {r['anchor_slots_per_s']:.0f} anchor-slots/s, peak RSS "
+                  f"{r['peak_rss_mb']:.0f} MB (+{r['peak_rss_mb'] - r['setup_rss_mb']:.0f} over setup), "
+                  f"loss {r['first_loss']:.4f} → {r['loss']:.4f}", flush=True)
+    runs = {(r["path"], r["chunk_blocks"]): r for r in results if not r["draft_vocab"]}
+    for r in results:
+        full = runs.get((r["path"], r["chunk_blocks"]))
+        if r["draft_vocab"] and full:
+            ratio = r["steps_per_s"] / full["steps_per_s"]
+            print(f"bench-train draft_vocab={r['draft_vocab']}: {ratio:.2f}x steps/s of the full vocabulary"
+                  f" ({r['path']}, chunk {r['chunk_blocks']})")
     for chunk in (int(c) for c in args.chunks.split(",")):
         fast, earlier = runs.get(("fast", chunk)), runs.get(("earlier", chunk))
         if fast and earlier:

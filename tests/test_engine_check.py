@@ -26,10 +26,10 @@ HEADLESS = dict(markov_head_type="none", enable_confidence_head=False, confidenc
 FILL_IN = dict(block_convention="fill_in", **HEADLESS)
 
 
-def export(target, path, **model):
+def export(target, path, d2t: bool = False, **model):
     drafter = DSparkDrafter(drafter_config(target, **model))
     attach_frozen(drafter, str(target))
-    export_drafter(drafter, str(path))
+    export_drafter(drafter, str(path), d2t=d2t)
     return str(path)
 
 
@@ -169,11 +169,14 @@ def test_old_and_new_export_cli_spellings(tiny_qwen3_target, tmp_path):
     assert set(a) == set(b) and b["fc.weight"].dtype == torch.float32
 
 
-def test_a_reduced_draft_vocabulary_is_vllm_only_and_needs_its_d2t(tiny_qwen3_target, tmp_path, capsys):
-    """vLLM serves a reduced draft vocabulary (its loader needs lm_head [N, d] and d2t); SGLang's
-    DSpark loader builds markov_w2 with the target's rows and refuses it. The engines' own loaders
-    say the same in make test-engines."""
-    folder = export(tiny_qwen3_target, tmp_path / "e", draft_vocab_size=64)
+def test_a_reduced_draft_vocabulary_in_d2t_form_is_vllm_only(tiny_qwen3_target, tmp_path, capsys):
+    """vLLM serves a reduced draft vocabulary in its own form (its loader needs lm_head [N, d] and
+    d2t); SGLang's DSpark loader builds markov_w2 with the target's rows and refuses it; the default
+    (widened) export loads in both. The engines' own loaders say the same in make test-engines."""
+    widened = check_export(export(tiny_qwen3_target, tmp_path / "w", draft_vocab_size=64))
+    assert widened.loads == {SGLANG: True, VLLM: True}
+    assert "widened" in render(widened) and "--d2t" in render(widened)
+    folder = export(tiny_qwen3_target, tmp_path / "e", d2t=True, draft_vocab_size=64)
     report = check_export(folder)
     assert report.loads == {SGLANG: False, VLLM: True} and report.ok
     text = render(report)

@@ -243,6 +243,11 @@ def test_export_cli(tiny_qwen3_target, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         main(["export", str(tmp_path / "ckpt"), str(tmp_path / "bad"), "--architecture", "DFlashDraftModel"])
     assert exit_info.value.code == 2
+    from fixtures.cli import assert_user_error, run_dspark
+
+    failed = run_dspark("export", str(tmp_path / "ckpt"), str(tmp_path / "d2t"), "--d2t")
+    assert_user_error(failed, "--d2t", "whole vocabulary")
+    assert not (tmp_path / "d2t" / "config.json").exists()
 
 
 def reduced(target, size: int = 40) -> DSparkDrafter:
@@ -253,12 +258,13 @@ def reduced(target, size: int = 40) -> DSparkDrafter:
     return drafter
 
 
-def test_a_reduced_draft_vocabulary_exports_vllms_d2t_and_reloads(tiny_qwen3_target, tmp_path, sample):
+def test_with_d2t_a_reduced_draft_vocabulary_exports_vllms_form_and_reloads(tiny_qwen3_target, tmp_path,
+                                                                             sample):
     """lm_head [N, d] (the target's rows) and d2t (target = draft + d2t[draft]) beside the usual keys;
     the folder reloads to the same drafter, whose drafts only ever hold draft-vocabulary tokens."""
     drafter = reduced(tiny_qwen3_target)
     ids = drafter.draft_token_ids
-    config = export_drafter(drafter, str(tmp_path / "x"), dtype="float32")
+    config = export_drafter(drafter, str(tmp_path / "x"), dtype="float32", d2t=True)
     assert config["draft_vocab_size"] == 40 and config["vocab_size"] == drafter.config.vocab_size
     tensors = st_load((tmp_path / "x" / "model.safetensors").read_bytes())
     assert set(tensors) == expected_keys(2) | {"lm_head.weight", "d2t"}
@@ -303,3 +309,38 @@ def test_a_reduced_draft_equals_the_full_draft_restricted_to_its_tokens(tiny_qwe
     logits = full.lm_head(hidden) + full.markov_head.bias(z)
     expected = torch.softmax(logits[:, ids], -1)
     assert torch.allclose(b.probs[:, ids], expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated"])
+def test_by_default_a_reduced_vocabulary_is_widened_to_one_both_engines_serve_identically(
+        tiny_qwen3_target, tmp_path, sample, kind):
+    """The default export is a plain full-vocabulary drafter of rank r + 1 (what SGLang builds from
+    config.json): rebuilt as such, it drafts exactly the reduced drafter's distribution (zero outside
+    the draft vocabulary) with the same confidences; load_drafter gives the reduced drafter back."""
+    from dspark_cli.model.config import DrafterConfig
+
+    drafter = build(tiny_qwen3_target, draft_vocab_size=40, markov_head_type=kind)
+    ids = torch.randperm(drafter.config.vocab_size, generator=torch.Generator().manual_seed(4))[:40]
+    ids = ids.sort().values
+    drafter.draft_token_ids.copy_(ids)
+    torch.nn.init.normal_(drafter.confidence_head.proj.weight, std=0.5)
+    config = export_drafter(drafter, str(tmp_path / "w"), dtype="float32")
+    r = drafter.config.markov_rank
+    assert "draft_vocab_size" not in config and config["markov_rank"] == r + 1
+    tensors = st_load((tmp_path / "w" / "model.safetensors").read_bytes())
+    assert set(tensors) == expected_keys(2, kind=kind)
+    plain_config = {**drafter.config.to_dict(), "draft_vocab_size": 0, "markov_rank": r + 1}
+    plain = DSparkDrafter(DrafterConfig.from_dict(plain_config))
+    attach_frozen(plain, str(tiny_qwen3_target))
+    plain.load_state_dict(tensors, strict=False)
+    plain.eval()
+    anchor = int(torch.nonzero(sample.loss_mask)[0]) + 3
+    ours, theirs = logits_of(drafter, sample, anchor), logits_of(plain, sample, anchor)
+    assert torch.equal(ours.tokens, theirs.tokens)
+    assert torch.allclose(ours.probs, theirs.probs, atol=1e-6)
+    assert torch.allclose(ours.confidences, theirs.confidences, atol=1e-6)
+    back = load_drafter(str(tmp_path / "w"))
+    assert torch.equal(back.draft_token_ids, ids)
+    for name, value in drafter.state_dict().items():
+        assert torch.equal(back.state_dict()[name], value), name
+

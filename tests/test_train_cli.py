@@ -157,8 +157,8 @@ def test_train_with_another_target_names_the_cache_s_target(cache, tiny_qwen3_ta
 def test_a_reduced_draft_vocabulary_is_counted_from_the_caches_train_split(cache, tiny_qwen3_target, tmp_path,
                                                                            capsys):
     """model.draft_vocab_size: the N most frequent response tokens of the train split (the cache's
-    index arrays, counted as the samples themselves count them), kept in checkpoints, exported as
-    vLLM's d2t."""
+    index arrays, counted as the samples themselves count them), kept in checkpoints, exported
+    widened for both engines or, with --d2t, in vLLM's form."""
     from dspark_cli.cache.reader import CacheDataset
     from dspark_cli.train.draft_vocab import choose_draft_vocab, count_sample_tokens
 
@@ -181,7 +181,10 @@ def test_a_reduced_draft_vocabulary_is_counted_from_the_caches_train_split(cache
     exported = load_drafter(out)
     assert torch.equal(exported.draft_token_ids, expected)
     assert read_manifest(out)["config"]["model"]["draft_vocab_size"] == 24
-    tensors = st_load(Path(out, "export", "model.safetensors").read_bytes())
+    tensors = st_load(Path(out, "export", "model.safetensors").read_bytes())  # widened: both engines
+    assert tensors["markov_head.markov_w2.weight"].shape == (vocab, 8 + 1) and "d2t" not in tensors
+    assert run("export", out, str(tmp_path / "vllm"), "--d2t") == 0
+    tensors = st_load(Path(tmp_path, "vllm", "model.safetensors").read_bytes())
     assert torch.equal(tensors["d2t"] + torch.arange(24), expected)
 
 

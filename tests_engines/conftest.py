@@ -68,11 +68,15 @@ def sample(target) -> dict:
 
 
 def build_drafter(target: Path, kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    return build_drafter_with(target, KINDS[kind])
+
+
+def build_drafter_with(target: Path, model: dict):
     from dspark_cli.model.drafter import DSparkDrafter
     from dspark_cli.model.frozen import attach_frozen
 
-    torch.manual_seed(seed)
-    drafter = DSparkDrafter(drafter_config(target, **KINDS[kind]))
+    drafter = DSparkDrafter(drafter_config(target, **model))
     attach_frozen(drafter, str(target))
     with torch.no_grad():
         for name, p in drafter.named_parameters():
@@ -99,8 +103,8 @@ def exports(target, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def reduced_export(target, tmp_path_factory) -> tuple:
-    """(drafter, fp32 export with the embedding) of a vanilla drafter whose reduced draft vocabulary
-    is 96 scattered ids (its lm_head in the export: those rows only)."""
+    """(drafter, fp32 export with the embedding, vLLM's d2t form) of a vanilla drafter whose reduced
+    draft vocabulary is 96 scattered ids (its lm_head in the export: those rows only)."""
     from dspark_cli.model.export import export_drafter
 
     torch.manual_seed(0)
@@ -108,6 +112,24 @@ def reduced_export(target, tmp_path_factory) -> tuple:
     ids = torch.randperm(drafter.config.vocab_size, generator=torch.Generator().manual_seed(7))[:96]
     drafter.draft_token_ids.copy_(ids.sort().values)
     folder = tmp_path_factory.mktemp("reduced") / "export"
-    export_drafter(drafter, str(folder), include_embeddings=True, dtype="float32")
+    export_drafter(drafter, str(folder), include_embeddings=True, dtype="float32", d2t=True)
     return drafter, str(folder)
+
+
+@pytest.fixture(scope="session")
+def widened_exports(target, tmp_path_factory) -> dict:
+    """head kind → (drafter, fp32 export with the embedding) of a reduced draft vocabulary of 96
+    scattered ids, exported widened to the target's vocabulary (the default, for both engines)."""
+    from dspark_cli.model.export import export_drafter
+
+    out = {}
+    for kind in ("vanilla", "gated"):
+        torch.manual_seed(1)
+        drafter = build_drafter_with(target, dict(draft_vocab_size=96, markov_head_type=kind))
+        ids = torch.randperm(drafter.config.vocab_size, generator=torch.Generator().manual_seed(7))[:96]
+        drafter.draft_token_ids.copy_(ids.sort().values)
+        folder = tmp_path_factory.mktemp(f"widened-{kind}") / "export"
+        export_drafter(drafter, str(folder), include_embeddings=True, dtype="float32")
+        out[kind] = (drafter, str(folder))
+    return out
 

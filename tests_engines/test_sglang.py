@@ -304,3 +304,45 @@ def test_sglang_refuses_a_reduced_draft_vocabulary(reduced_export):
     with pytest.raises((ValueError, AssertionError), match="shape|load weight"):
         draft.load_weights(load_file(str(Path(folder) / "model.safetensors")).items())
 
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated"])
+def test_sglang_serves_a_widened_reduced_vocabulary_as_we_draft_it(widened_exports, kind, monkeypatch):
+    """The default export of model.draft_vocab_size: SGLang's loader takes every head tensor, its
+    Markov bias equals ours on the draft tokens and holds every other token 10,000 below, and its
+    confidence head (reading its own W1 rows) gives our confidences."""
+    monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", "compact")
+    model = sglang_module("sglang.srt.models.dspark")
+    drafter, folder = widened_exports[kind]
+    cfg = config_of(folder)
+    tensors = load_file(str(Path(folder) / "model.safetensors"))
+    draft = sglang_draft(cfg)
+    draft.load_weights(tensors.items())
+    params = dict(draft.named_parameters())
+    for name, t in tensors.items():
+        if name.startswith(("markov_head.", "confidence_head.")):
+            assert torch.equal(params[name], t), name
+    ids = drafter.draft_token_ids
+    gen = torch.Generator().manual_seed(3)
+    gamma, d = drafter.config.block_size, drafter.config.hidden_size
+    prev = torch.randint(0, drafter.config.vocab_size, (2, gamma), generator=gen)
+    hidden = torch.randn(2, gamma, d, generator=gen)
+    with torch.no_grad():
+        ours = drafter.markov_head.bias(drafter.markov_head.features(prev, hidden))  # [2, γ, N]
+        ours_conf = drafter.confidence_head(hidden, drafter.markov_head.embed_prev(prev))
+        head = model.build_markov_head(head_config(cfg))
+        head.load_state_dict(prefixed(tensors, "markov_head."), strict=True)
+        state = head.init_state(hidden[:, 0])
+        theirs = []
+        for k in range(gamma):
+            bias, state = head.step_bias(prev[:, k], hidden_states=hidden[:, k], state=state)
+            theirs.append(bias)
+        theirs = torch.stack(theirs, 1)  # [2, γ, V]
+        conf = model.build_confidence_head(head_config(cfg))
+        conf.load_state_dict(prefixed(tensors, "confidence_head."))
+        theirs_conf = conf(hidden, head.markov_w1(prev))
+    assert (theirs[..., ids] - ours).abs().max() < 1e-5
+    others = torch.ones(drafter.config.vocab_size, dtype=torch.bool)
+    others[ids] = False
+    assert theirs[..., others].max() < -9_000
+    assert (theirs_conf - ours_conf).abs().max() < 1e-5
+

@@ -328,3 +328,28 @@ def test_a_reduced_draft_vocabulary_loads_and_drafts_the_tokens_we_draft(target,
             picked = theirs.argmax(-1)
             assert torch.equal(model.map_draft_to_target(picked), ids[ours.argmax(-1)])
 
+
+def test_a_widened_reduced_vocabulary_drafts_in_vllm_what_we_draft(target, widened_exports, sample):
+    """The default export of model.draft_vocab_size (vanilla head): vLLM loads it as a full-vocabulary
+    DSpark drafter whose draft distribution is ours on the draft tokens and exactly zero elsewhere."""
+    drafter, folder = widened_exports["vanilla"]
+    ids = drafter.draft_token_ids
+    gamma = drafter.block_size
+    anchor = int(torch.nonzero(sample.loss_mask)[0]) + 3
+    ctx = sample.hidden_states[:anchor].float()
+    prev = torch.cat([sample.input_ids[anchor:anchor + 1], ids[torch.randint(0, ids.shape[0], (gamma - 1,))]])
+    block_ids, pos, ours, _, ctx_kv = our_block(drafter, ctx, int(sample.input_ids[anchor]), anchor, prev)
+    with vllm_model(folder, str(target), "dspark", gamma) as (model, _):
+        assert model.unwritten == ["model.mask_embedding"]
+        assert model.draft_id_to_target_id is None  # a plain full-vocabulary drafter to vLLM
+        hidden = vllm_block_hidden(model, ctx_kv, block_ids, pos)
+        with torch.no_grad():
+            theirs = model.compute_draft_logits(hidden) + model.markov_bias(model.markov_embed(prev))
+    theirs = theirs[:, :drafter.config.vocab_size]  # vLLM pads the vocabulary to a multiple of 64
+    p_theirs, p_ours = torch.softmax(theirs, -1), torch.softmax(ours, -1)
+    assert (p_theirs[:, ids] - p_ours).abs().max() < 1e-5
+    others = torch.ones(drafter.config.vocab_size, dtype=torch.bool)
+    others[ids] = False
+    assert float(p_theirs[:, others].max()) == 0.0
+    assert torch.equal(theirs.argmax(-1), ids[ours.argmax(-1)])
+

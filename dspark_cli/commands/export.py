@@ -44,6 +44,10 @@ def export_command(
     dtype: Annotated[str, typer.Option("--dtype", help="bfloat16, float16 or float32.")] = "bfloat16",
     target: Annotated[str | None, typer.Option("--target",
                       help="Target for the frozen rows (default: the one used in training).")] = None,
+    d2t: Annotated[bool, typer.Option("--d2t",
+                   help="A reduced draft vocabulary (model.draft_vocab_size) in vLLM's own form: its "
+                        "lm_head rows and the d2t map, N logits a draft slot (SGLang refuses it). Default: "
+                        "widened to the target's vocabulary, which both engines load.")] = False,
 ) -> None:
     """Write the serving folder engines (SGLang, vLLM) load from a checkpoint."""
     from .. import storage
@@ -55,7 +59,7 @@ def export_command(
     drafter = load_drafter(checkpoint, target=target)
     say_if_unrefit(checkpoint)
     cfg = export_drafter(drafter, out_dir, include_embeddings=include_embeddings, architecture=architecture,
-                         dtype=dtype)
+                         dtype=dtype, d2t=d2t)
     console.print(f"[green]✓[/] export: {out_dir} ({cfg['architectures'][0]}, {dtype})")
     out.print_json(data={"output": out_dir, "architecture": cfg["architectures"][0],
                          "block_size": cfg["block_size"], "include_embeddings": include_embeddings})

@@ -87,6 +87,11 @@ class DrafterConfig:
         if not 0 <= self.draft_vocab_size < self.vocab_size:
             raise ConfigError(f"model.draft_vocab_size {self.draft_vocab_size} must be smaller than the "
                               f"target's vocabulary ({self.vocab_size}); 0 keeps the full vocabulary.")
+        if self.draft_vocab_size and (self.markov_head_type not in ("vanilla", "gated")
+                                      or self.block_convention != "anchor_first"):
+            raise ConfigError("model.draft_vocab_size needs an anchor_first drafter with a vanilla or gated "
+                              "Markov head (its extra rank keeps other tokens out where no d2t is read), "
+                              f"got {self.block_convention} / {self.markov_head_type}.")
         if self.markov_head_type not in MARKOV_TYPES:
             raise ConfigError(f"model.markov_head_type must be one of {', '.join(MARKOV_TYPES)}, "
                               f"got {self.markov_head_type!r}.")

@@ -24,6 +24,7 @@ from .. import storage, vllm_cpu_fix
 from ..errors import DsparkError
 from .export import D2T, DFLASH_ARCH, DSPARK_ARCH, WEIGHTS
 from .locate import LEGACY_PRIVATE_KEY, PRIVATE_KEY
+from .vocab_expand import OFF
 
 SGLANG, VLLM = "SGLang", "vLLM"
 OK, NOTE, IGNORED, FAIL = "ok", "note", "ignored", "fail"
@@ -388,6 +389,11 @@ def check_export(folder: str, calibration: str | None = None, sps: str | None = 
         report.add("", FAIL, f"mask_token_id {cfg['mask_token_id']} is not a row of the "
                              f"{cfg['vocab_size']}-row vocabulary")
     _target_vocab(report, cfg, report.target)
+    if private.get("draft_vocab_size") and not cfg.get("draft_vocab_size"):
+        report.add("", NOTE, f"a reduced draft vocabulary of {private['draft_vocab_size']} tokens, "
+                             f"widened to the target's {cfg['vocab_size']}: the others get a "
+                             f"−{OFF:.0f} Markov bias, so both engines propose what dspark does; "
+                             "`dspark export --d2t` writes vLLM's own form (N logits a draft slot, not V)")
     files_given = calibration is not None or sps is not None
     _sglang(report, cfg, weights_ok, files_given)
     _vllm(report, cfg, weights_ok, files_given)

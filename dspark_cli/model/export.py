@@ -30,6 +30,7 @@ from .drafter import DSparkDrafter
 from .frozen import attach_frozen
 from .heads import upgrade_legacy_markov
 from .locate import CHECKPOINT_CONFIG, PRIVATE_KEY, read_config, resolve_drafter_url
+from .vocab_expand import contract, expand, expanded_rank
 
 DSPARK_ARCH = "Qwen3DSparkModel"
 DFLASH_ARCH = "DFlashDraftModel"
@@ -65,8 +66,9 @@ def architecture_for(config: DrafterConfig, requested: str | None = None) -> str
     return expected
 
 
-def export_config(config: DrafterConfig, architecture: str, dtype: str) -> dict[str, Any]:
-    """config.json: a Qwen3 config plus DSpark fields at top level, mirrored in dflash_config."""
+def export_config(config: DrafterConfig, architecture: str, dtype: str, d2t: bool = False) -> dict[str, Any]:
+    """config.json: a Qwen3 config plus DSpark fields at top level, mirrored in dflash_config. A
+    reduced draft vocabulary: vLLM's `draft_vocab_size` with d2t, else widened (vocab_expand.py)."""
     # fill_in engines count the anchor slot in block_size (z-lab/vLLM DFlash: 16 = anchor + 15).
     block_size = config.block_inputs
     rope = dict(config.rope_parameters)
@@ -95,7 +97,8 @@ def export_config(config: DrafterConfig, architecture: str, dtype: str) -> dict[
         "target_layer_ids": list(config.target_layer_ids),
         "num_target_layers": config.num_target_layers,
         "mask_token_id": config.mask_token_id,
-        "markov_rank": NOOP_MARKOV_RANK if noop_markov else config.markov_rank,
+        "markov_rank": (NOOP_MARKOV_RANK if noop_markov else expanded_rank(config)
+                        if config.draft_vocab_size and not d2t else config.markov_rank),
         "markov_head_type": "vanilla" if noop_markov else config.markov_head_type,
         "enable_confidence_head": config.enable_confidence_head,
         "confidence_head_with_markov": config.confidence_head_with_markov,
@@ -108,7 +111,7 @@ def export_config(config: DrafterConfig, architecture: str, dtype: str) -> dict[
         # Everything load_drafter needs to rebuild the module exactly, under a key no engine reads.
         PRIVATE_KEY: config.to_dict(),
     }
-    if config.draft_vocab_size:  # vLLM's reduced vocabulary: lm_head [N, d] and d2t in the weights
+    if config.draft_vocab_size and d2t:  # vLLM's reduced vocabulary: lm_head [N, d] and d2t in the weights
         out["draft_vocab_size"] = config.draft_vocab_size
     return out
 
@@ -133,12 +136,17 @@ def noop_markov_tensors(config: DrafterConfig) -> dict[str, torch.Tensor]:
 
 
 def export_drafter(drafter: DSparkDrafter, out_url: str, include_embeddings: bool = False,
-                   architecture: str | None = None, dtype: str = "bfloat16") -> dict[str, Any]:
-    """Write config.json + model.safetensors to out_url (weights first, config last)."""
+                   architecture: str | None = None, dtype: str = "bfloat16", d2t: bool = False,
+                   ) -> dict[str, Any]:
+    """Write config.json + model.safetensors to out_url (weights first, config last). A reduced draft
+    vocabulary goes out widened to the target's (both engines) or, with d2t, in vLLM's own form."""
     check_export_output(out_url)
+    if d2t and drafter.draft_token_ids is None:
+        raise DsparkError("--d2t: this drafter proposes from the target's whole vocabulary; d2t is the map "
+                          "of a reduced one.", hint="train with model.draft_vocab_size = N, or omit --d2t.")
     torch_dt = torch_dtype(dtype, "export dtype")
     arch = architecture_for(drafter.config, architecture)
-    config = export_config(drafter.config, arch, dtype)
+    config = export_config(drafter.config, arch, dtype, d2t)
     validate(config, "drafter_export_config", where=storage.join(out_url, "config.json"))
     tensors = drafter.trainable_state_dict()
     if needs_noop_markov(drafter.config):
@@ -147,8 +155,11 @@ def export_drafter(drafter: DSparkDrafter, out_url: str, include_embeddings: boo
         tensors["embed_tokens.weight"] = drafter.embed_tokens.weight
         tensors["lm_head.weight"] = drafter.lm_head.weight
     if drafter.draft_token_ids is not None:
-        del tensors[DRAFT_IDS]
-        tensors.update(reduced_vocab_tensors(drafter))
+        ids = tensors.pop(DRAFT_IDS)
+        if d2t:
+            tensors.update(reduced_vocab_tensors(drafter))
+        else:
+            tensors = expand(tensors, drafter.config, ids)
     tensors = {k: v.detach().to("cpu", torch_dt if v.is_floating_point() else v.dtype).contiguous()
                for k, v in tensors.items()}
     storage.write_bytes(storage.join(out_url, WEIGHTS), st_save(tensors, metadata={"format": "pt"}))
@@ -199,10 +210,12 @@ def load_drafter(path: str, target: str | None = None, device: str | torch.devic
     tensors = upgrade_legacy_markov(tensors, config.markov_head_type, f"{url}/{WEIGHTS}")
     if needs_noop_markov(config):
         tensors = {k: v for k, v in tensors.items() if k not in NOOP_MARKOV_KEYS}
-    if config.draft_vocab_size and D2T in tensors:  # an export: its lm_head holds the draft rows only
+    if config.draft_vocab_size and D2T in tensors:  # vLLM's form: its lm_head holds the draft rows only
         d2t = tensors.pop(D2T)
         tensors[DRAFT_IDS] = d2t + torch.arange(d2t.shape[0], dtype=d2t.dtype)
         tensors.pop("lm_head.weight", None)
+    elif config.draft_vocab_size and DRAFT_IDS not in tensors:  # widened to the target's vocabulary
+        tensors, tensors[DRAFT_IDS] = contract(tensors, config, f"{url}/{WEIGHTS}")
     drafter = DSparkDrafter(config)
     expected = set(drafter.trainable_state_dict())
     frozen_in_file = {"embed_tokens.weight", "lm_head.weight"} <= set(tensors)
