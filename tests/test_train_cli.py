@@ -165,11 +165,13 @@ def test_a_reduced_draft_vocabulary_is_counted_from_the_caches_train_split(cache
     vocab = load_drafter_vocab(tiny_qwen3_target)
     train_split = CacheDataset(cache, split="train")
     by_samples = count_sample_tokens(train_split, vocab)
-    assert np.array_equal(train_split.response_token_counts(vocab, 10**9), by_samples)
+    by_index = train_split.response_token_counts(vocab, 10**9)
+    assert all(np.array_equal(a, b) for a, b in zip(by_index, by_samples, strict=True))
     everything = count_sample_tokens(CacheDataset(cache), vocab)
-    assert not np.array_equal(everything, by_samples)  # the held-out split is left out
+    assert not np.array_equal(everything.response, by_samples.response)  # the held-out split is left out
     expected = choose_draft_vocab(by_samples, 24)
-    assert by_samples[expected.numpy()].min() >= np.delete(by_samples, expected.numpy()).max()
+    response = by_samples.response
+    assert response[expected.numpy()].min() >= np.delete(response, expected.numpy()).max()
 
     out = str(tmp_path / "train")
     sets = [a for s in [*SETS, "model.draft_vocab_size=24"] for a in ("--set", s)]
@@ -178,6 +180,10 @@ def test_a_reduced_draft_vocabulary_is_counted_from_the_caches_train_split(cache
     assert run(*args, "--max-steps", "2") == 0
     assert "draft vocabulary: the 24 most frequent" in " ".join(capsys.readouterr().err.split())
     assert torch.equal(load_drafter(f"{out}/checkpoints/step-00000002").draft_token_ids, expected)
+    Path(out, "manifest.json").unlink()  # killed after its last checkpoint: the rerun resumes
+    assert run(*args, "--max-steps", "2") == 0
+    resumed = " ".join(capsys.readouterr().err.split())
+    assert "resuming from" in resumed and "draft vocabulary" not in resumed  # the checkpoint's, not recounted
     exported = load_drafter(out)
     assert torch.equal(exported.draft_token_ids, expected)
     assert read_manifest(out)["config"]["model"]["draft_vocab_size"] == 24
@@ -186,6 +192,23 @@ def test_a_reduced_draft_vocabulary_is_counted_from_the_caches_train_split(cache
     assert run("export", out, str(tmp_path / "vllm"), "--d2t") == 0
     tensors = st_load(Path(tmp_path, "vllm", "model.safetensors").read_bytes())
     assert torch.equal(tensors["d2t"] + torch.arange(24), expected)
+
+
+def test_a_draft_vocabulary_larger_than_the_responses_fills_from_the_prompts():
+    """Fewer distinct response tokens than N: every one of them, then the prompts' most frequent
+    (by count, ties to the lower id), and only then ids seen nowhere."""
+    from dspark_cli.train.draft_vocab import TokenCounts, choose_draft_vocab, describe
+
+    response = np.array([0, 5, 0, 1, 0, 0, 0, 0, 0, 0])
+    context = np.array([0, 0, 2, 9, 0, 7, 2, 0, 1, 0])
+    counts = TokenCounts(response, context)
+    assert choose_draft_vocab(counts, 2).tolist() == [1, 3]
+    assert choose_draft_vocab(counts, 4).tolist() == [1, 2, 3, 5]
+    assert choose_draft_vocab(counts, 5).tolist() == [1, 2, 3, 5, 6]
+    assert choose_draft_vocab(counts, 8).tolist() == [0, 1, 2, 3, 4, 5, 6, 8]
+    line = describe(counts, choose_draft_vocab(counts, 5))
+    assert "2 distinct ids in 6 training response tokens (100.00% of them)" in line
+    assert "the other 3 from the prompts' tokens" in line
 
 
 def load_drafter_vocab(target) -> int:

@@ -231,10 +231,12 @@ class CacheDataset(torch.utils.data.Dataset):
             final_rows = _bf16(fb_)  # [K, d]
         return Sample(shard.sample_ids[j], input_ids, loss_mask, hidden, final_rows, split=self.split_of(i))
 
-    def response_token_counts(self, vocab: int, max_tokens: int) -> np.ndarray:
-        """Counts [vocab] of this split's response (loss-masked) tokens, shard by shard from the
-        index arrays alone (no hidden states read), until at least `max_tokens` were counted."""
-        counts = np.zeros(vocab, dtype=np.int64)
+    def response_token_counts(self, vocab: int, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """Counts [vocab] of this split's response (loss-masked) tokens and of its other tokens
+        (prompts, template), shard by shard from the index arrays alone (no hidden states read),
+        until at least `max_tokens` response tokens were counted."""
+        response = np.zeros(vocab, dtype=np.int64)
+        context = np.zeros(vocab, dtype=np.int64)
         seen = 0
         for k in dict.fromkeys(self._shard_of.tolist()):  # shards in order, each once
             try:
@@ -245,12 +247,15 @@ class CacheDataset(torch.utils.data.Dataset):
             chosen = np.zeros(len(shard.offsets) - 1, dtype=bool)
             chosen[self._within[self._shard_of == k]] = True
             in_split = np.repeat(chosen, np.diff(shard.offsets))
-            ids = shard.input_ids[in_split & shard.loss_mask.astype(bool)].astype(np.int64)
-            counts += np.bincount(ids, minlength=vocab)[:vocab]
+            is_response = shard.loss_mask.astype(bool)
+            ids = shard.input_ids[in_split & is_response].astype(np.int64)
+            response += np.bincount(ids, minlength=vocab)[:vocab]
+            context += np.bincount(shard.input_ids[in_split & ~is_response].astype(np.int64),
+                                   minlength=vocab)[:vocab]
             seen += ids.size
             if seen >= max_tokens:
                 break
-        return counts
+        return response, context
 
     def set_order(self, order: Sequence[int] | torch.Tensor | np.ndarray) -> None:
         """Tell the prefetcher the iteration order (a sampler's indices, each at most once): kept
