@@ -31,9 +31,10 @@ class ModelSettings(Section):
     #: keys with layer 0's k_norm (docs/engines.md): a drafter trained with this serves there exactly.
     tie_k_norm: bool = False
     #: N > 0: the drafter proposes only the N tokens most frequent in the training responses (a
-    #: reduced draft vocabulary, `d2t` in vLLM's export). Training and drafting then compute N logits
-    #: a slot instead of the target's whole vocabulary; vLLM serves it, SGLang's DSpark loader does
-    #: not (docs/train.md). 0: the target's full vocabulary.
+    #: reduced draft vocabulary). Training and dspark's drafting then compute N logits a slot
+    #: instead of the target's whole vocabulary. Its export is widened to the target's vocabulary
+    #: (both engines load it, at the full head's cost); `dspark export --d2t` writes vLLM's own
+    #: N-logit form, which SGLang refuses (docs/train.md). 0: the target's full vocabulary.
     draft_vocab_size: int = 0
 
     def validate(self) -> None:
