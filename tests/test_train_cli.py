@@ -208,7 +208,9 @@ def test_a_draft_vocabulary_larger_than_the_responses_fills_from_the_prompts():
     assert choose_draft_vocab(counts, 8).tolist() == [0, 1, 2, 3, 4, 5, 6, 8]
     line = describe(counts, choose_draft_vocab(counts, 5))
     assert "2 distinct ids in 6 training response tokens (100.00% of them)" in line
-    assert "the other 3 from the prompts' tokens" in line
+    assert line.endswith("the other 3 from the prompts' tokens")
+    assert describe(counts, choose_draft_vocab(counts, 8)).endswith(
+        "the other 6 from the prompts' tokens (4) and the lowest unseen ids (2)")
 
 
 def load_drafter_vocab(target) -> int:

@@ -80,5 +80,9 @@ def describe(counts: TokenCounts, ids: torch.Tensor) -> str:
     line = (f"the {ids.numel()} most frequent of {distinct:,} distinct ids in {int(counts.response.sum()):,} "
             f"training response tokens ({coverage(counts, ids):.2%} of them)")
     if distinct < ids.numel():
+        chosen = ids.numpy()
+        from_prompts = int(((counts.response[chosen] == 0) & (counts.context[chosen] > 0)).sum())
+        unseen = ids.numel() - distinct - from_prompts
         line += f"; the other {ids.numel() - distinct:,} from the prompts' tokens"
+        line += f" ({from_prompts:,}) and the lowest unseen ids ({unseen:,})" if unseen else ""
     return line
