@@ -184,6 +184,8 @@ def test_a_reduced_draft_vocabulary_is_counted_from_the_caches_train_split(cache
     assert run(*args, "--max-steps", "2") == 0
     resumed = " ".join(capsys.readouterr().err.split())
     assert "resuming from" in resumed and "draft vocabulary" not in resumed  # the checkpoint's, not recounted
+    assert run(*args, "--max-steps", "2", "--force") == 0  # a fresh run counts, whatever --force replaces
+    assert torch.equal(load_drafter(f"{out}/checkpoints/step-00000002").draft_token_ids, expected)
     exported = load_drafter(out)
     assert torch.equal(exported.draft_token_ids, expected)
     assert read_manifest(out)["config"]["model"]["draft_vocab_size"] == 24

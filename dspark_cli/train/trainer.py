@@ -207,14 +207,15 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
         inputs = {cache_url: fingerprint(cache_url)}
     init_gain: OutputGain | None = None
 
-    def build_drafter() -> DSparkDrafter:
+    def build_drafter(resuming: bool) -> DSparkDrafter:
+        """resuming: a checkpoint of this run will be loaded (its own draft vocabulary with it)."""
         nonlocal init_gain
         torch.manual_seed(tc.seed)
         built = DSparkDrafter(dcfg)
         attach_frozen(built, dcfg.target_model)  # reads the target's embedding: the stage's probe
         init_gain = set_output_gain(built, tc.init_output_gain, dataset)  # a resume then loads its own
         init_markov_rows(built.markov_head, built.embed_tokens.weight, tc.markov_init)
-        if dcfg.draft_vocab_size and ckpt.latest_checkpoint(output_url) is None:  # a resume loads its own
+        if dcfg.draft_vocab_size and not resuming:
             counts = response_token_counts(dataset, dcfg.vocab_size)
             built.draft_token_ids.copy_(choose_draft_vocab(counts, dcfg.draft_vocab_size))
             console.print(f"  draft vocabulary: {describe(counts, built.draft_token_ids)}")
@@ -224,7 +225,8 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     if world.main:
         run = prepare_train_stage(output_url, stage_config, inputs, force)
         if run.state != "done":
-            drafter = build_drafter()  # before the claim: a wrong target leaves nothing behind
+            # before the claim: a wrong target leaves nothing behind (--force's old checkpoints included)
+            drafter = build_drafter(run.state == "resume" and ckpt.latest_checkpoint(output_url) is not None)
             run.claim()
     world.barrier()
     if not world.main:
@@ -235,7 +237,7 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     plan = StepPlan(len(dataset), tc.global_batch, tc.micro_batch, world.world_size, world.rank, tc.seed)
     total_steps = tc.max_steps or tc.epochs * plan.steps_per_epoch
 
-    drafter = drafter or build_drafter()
+    drafter = drafter or build_drafter(ckpt.latest_checkpoint(output_url) is not None)  # after the claim
     drafter.to(device)
     if tc.fast_kernels and device.type == "cpu":
         keep_freed_memory()
