@@ -165,7 +165,7 @@ def test_a_reduced_draft_vocabulary_is_counted_from_the_caches_train_split(cache
     vocab = load_drafter_vocab(tiny_qwen3_target)
     train_split = CacheDataset(cache, split="train")
     by_samples = count_sample_tokens(train_split, vocab)
-    by_index = train_split.response_token_counts(vocab, 10**9)
+    by_index = train_split.split_token_counts(vocab, 10**9)
     assert all(np.array_equal(a, b) for a, b in zip(by_index, by_samples, strict=True))
     everything = count_sample_tokens(CacheDataset(cache), vocab)
     assert not np.array_equal(everything.response, by_samples.response)  # the held-out split is left out

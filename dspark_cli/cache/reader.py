@@ -231,7 +231,7 @@ class CacheDataset(torch.utils.data.Dataset):
             final_rows = _bf16(fb_)  # [K, d]
         return Sample(shard.sample_ids[j], input_ids, loss_mask, hidden, final_rows, split=self.split_of(i))
 
-    def response_token_counts(self, vocab: int, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    def split_token_counts(self, vocab: int, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """Counts [vocab] of this split's response (loss-masked) tokens and of its other tokens
         (prompts, template), shard by shard from the index arrays alone (no hidden states read),
         until at least `max_tokens` response tokens were counted."""

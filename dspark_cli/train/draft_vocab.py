@@ -50,10 +50,10 @@ def count_sample_tokens(samples: Sequence[Sample], vocab: int, max_tokens: int =
     return TokenCounts(response, context)
 
 
-def response_token_counts(dataset: Sequence[Sample], vocab: int, max_tokens: int = MAX_TOKENS) -> TokenCounts:
+def split_token_counts(dataset: Sequence[Sample], vocab: int, max_tokens: int = MAX_TOKENS) -> TokenCounts:
     """Counts from the cache's index arrays when the dataset is a cache split (no hidden states
     read), else sample by sample."""
-    fast = getattr(dataset, "response_token_counts", None)
+    fast = getattr(dataset, "split_token_counts", None)
     return TokenCounts(*fast(vocab, max_tokens)) if fast is not None else count_sample_tokens(dataset, vocab,
                                                                                               max_tokens)
 

@@ -47,7 +47,7 @@ from . import checkpoint as ckpt
 from . import vocab_kernel
 from .confidence_bias import flatten_slots, held_out_shift
 from .data import BatchMaker, StepPlan, plan_items
-from .draft_vocab import choose_draft_vocab, describe, response_token_counts
+from .draft_vocab import choose_draft_vocab, describe, split_token_counts
 from .host_memory import keep_freed_memory
 from .loss import DRAFT_VOCAB_NEEDS_FAST_KERNELS, DrafterLoss, LossWeights, summarize
 from .metrics import MetricsLog
@@ -216,7 +216,7 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
         init_gain = set_output_gain(built, tc.init_output_gain, dataset)  # a resume then loads its own
         init_markov_rows(built.markov_head, built.embed_tokens.weight, tc.markov_init)
         if dcfg.draft_vocab_size and not resuming:
-            counts = response_token_counts(dataset, dcfg.vocab_size)
+            counts = split_token_counts(dataset, dcfg.vocab_size)
             built.draft_token_ids.copy_(choose_draft_vocab(counts, dcfg.draft_vocab_size))
             console.print(f"  draft vocabulary: {describe(counts, built.draft_token_ids)}")
         return built
