@@ -22,6 +22,7 @@ from . import chat, identity
 from .dtypes import auto_dtype, resolve_device, torch_dtype
 from .files import LOAD_HINT, first_line, hidden_size, hub_kwargs, num_layers
 from .layers import resolve_layers
+from .prepack import prepack_linears
 
 
 def _hub_kwargs(path_or_id: str, revision: str | None, trust_remote_code: bool) -> dict[str, Any]:
@@ -42,8 +43,9 @@ def load_tokenizer(path_or_id: str, revision: str | None = None, trust_remote_co
 
 def load_target(path_or_id: str, dtype: str | torch.dtype = "bfloat16", device: str = "auto",
                 trust_remote_code: bool = False, revision: str | None = None,
-                local_rank: int = 0) -> tuple[Any, Any]:
-    """A causal LM and its tokenizer, frozen and in eval mode on `device` ('auto' dtype allowed)."""
+                local_rank: int = 0, prepack: bool = False) -> tuple[Any, Any]:
+    """A causal LM and its tokenizer, frozen and in eval mode on `device` ('auto' dtype allowed);
+    with `prepack`, its linear weights packed where that pays (target/prepack.py)."""
     from transformers import AutoModelForCausalLM
 
     hub = _hub_kwargs(path_or_id, revision, trust_remote_code)
@@ -60,6 +62,8 @@ def load_target(path_or_id: str, dtype: str | torch.dtype = "bfloat16", device: 
         raise DsparkError(f"target {path_or_id!r}: cannot load it ({first_line(e)}).", hint=LOAD_HINT) from e
     model.to(dev).eval()
     model.requires_grad_(False)
+    if prepack:
+        prepack_linears(model)
     return model, tokenizer
 
 
@@ -73,14 +77,15 @@ class Target:
 
     @classmethod
     def load(cls, path: str, dtype: str = "bfloat16", device: str = "auto", trust_remote_code: bool = False,
-             revision: str | None = None, local_rank: int = 0) -> Target:
-        return cls(*load_target(path, dtype, device, trust_remote_code, revision, local_rank), path=path)
+             revision: str | None = None, local_rank: int = 0, prepack: bool = False) -> Target:
+        return cls(*load_target(path, dtype, device, trust_remote_code, revision, local_rank, prepack),
+                   path=path)
 
     @classmethod
     def from_settings(cls, settings: Any, path: str | None = None, local_rank: int = 0) -> Target:
         """From a `[target]` section (`path` overrides target.model, e.g. a --target flag)."""
         return cls.load(path or settings.model, settings.dtype, settings.device, settings.trust_remote_code,
-                        settings.revision, local_rank)
+                        settings.revision, local_rank, settings.prepack)
 
     @property
     def config(self) -> Any:

@@ -1,0 +1,88 @@
+"""Prepacked linear weights for a frozen target on the CPU: multi-token steps at one-token cost.
+
+A decoding step of one token per sequence is a matrix-vector product (GEMV) that streams each
+weight once. A verification step of a few tokens (anchor + drafts), or a server step of a few
+sequences, is a GEMM with M = 2…64 rows; on the CPU its library kernel repacks the whole weight
+into its blocked layout on every call, and that copy costs more than the multiplication: on a
+2-core AVX2 VM SmolLM2-135M's forward took 56 ms for 1 new token and 96 ms for 2 (docs/eval.md),
+so any speculative round cost ≥ 1.7 target steps. Packing each weight once, into oneDNN's
+layout, lets every M ≥ 2 call reuse it; M = 1 keeps the plain GEMV, which is faster there.
+
+    packed = prepack_linears(model)   # number of nn.Linear layers now packed (0 where unsupported)
+
+Frozen targets only (the packed copy does not follow later weight updates) and no autograd:
+a call that needs a gradient takes the plain path. The packed copy costs the linears' memory
+once more, so a model whose copy would take more than half the memory still available is left
+plain (an fp32 Qwen3-4B: 16 GB more).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+#: Where prepacking applies by default: CPU fp32, the case measured (docs/eval.md).
+PACKED_DTYPES = (torch.float32,)
+
+
+class PackedLinear(torch.nn.Linear):
+    """An nn.Linear that keeps a oneDNN-packed copy of its frozen weight for M ≥ 2 inputs.
+
+    Installed by swapping the class of an existing module (`prepack_linears`), so its parameters,
+    weight tying and state dict are the original's.
+    """
+
+    packed_weight: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(1, x.shape[-1])
+        if rows < 2 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias,
+                                                  "none", [], "")
+
+
+def prepack_supported(model: Any) -> bool:
+    """CPU weights of a packed dtype, and a torch built with oneDNN."""
+    try:
+        param = next(model.parameters())
+    except StopIteration:
+        return False
+    return (param.device.type == "cpu" and param.dtype in PACKED_DTYPES
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def packed_count(model: torch.nn.Module) -> int:
+    """How many of the model's linears are packed (what /health and the tests report)."""
+    return sum(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says a new allocation can take without swapping (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def prepack_linears(model: torch.nn.Module, memory: int | None = None) -> int:
+    """Pack every plain nn.Linear of a frozen CPU model in place; returns how many (0: unsupported,
+    or the packed copies would take more than half of `memory`, default: what is available now)."""
+    if not prepack_supported(model):
+        return 0
+    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    needed = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    memory = available_memory() if memory is None else memory
+    if memory is not None and needed > memory // 2:
+        return 0
+    for module in linears:
+        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+        module.__class__ = PackedLinear
+    return len(linears)
