@@ -149,6 +149,7 @@ class TestBatching:
         after = _health(server)
         assert [results[i] for i in range(6)] == expected  # batching must not change outputs
         assert after["max_batch_size"] > 1
+        assert after["prepacked_linears"] > 0  # so the batched steps ran on the packed weights
         passes = after["forward_passes"] - before["forward_passes"]
         assert passes < 6 * 20, f"{passes} forward passes for 6 requests of 20 tokens: no sharing"
         assert after["requests"] - before["requests"] == 6
@@ -267,11 +268,13 @@ def test_regen_endpoints_serves_the_target_when_asked(tiny_qwen3_target, tmp_pat
     from dspark_cli.serve.process import regen_endpoints
 
     toml = tmp_path / "p.toml"
-    toml.write_text(f'[target]\nmodel = "{tiny_qwen3_target}"\nlayers = [1, 9]\n'
-                    '[regen]\nserve_target = true\nconcurrency = 4\n')
+    toml.write_text(f'[target]\nmodel = "{tiny_qwen3_target}"\nlayers = [1, 9]\ndtype = "float32"\n'
+                    'prepack = false\n[regen]\nserve_target = true\nconcurrency = 4\n')
     with regen_endpoints(load_config(str(toml), [])) as (endpoints, model):
         client = openai.OpenAI(base_url=endpoints[0], api_key="unused", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == [model] == [str(tiny_qwen3_target)]
+        with urllib.request.urlopen(endpoints[0].removesuffix("/v1") + "/health", timeout=10) as r:
+            assert json.load(r)["prepacked_linears"] == 0  # [target] prepack = false reached the server
     with pytest.raises(openai.APIConnectionError):  # stopped when the block ends
         client.models.list()
     plain = load_config(str(toml), ["regen.serve_target=false", "regen.endpoints=http://x:1/v1",

@@ -40,6 +40,9 @@ def serve(
                                                 help="torch CPU threads (default: torch's).")] = None,
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code",
                                                     help="Run code from the model repository.")] = False,
+    prepack: Annotated[bool, typer.Option("--prepack/--no-prepack",
+                                          help="Pack the linear weights once where multi-sequence steps "
+                                          "gain (CPU float32; target/prepack.py).")] = True,
 ) -> None:
     """Serve MODEL on /v1/chat/completions (JSON and SSE), /v1/models and /health."""
     import os
@@ -66,7 +69,7 @@ def serve(
     console.print(f"[cyan]▶[/] loading {model}")
     try:
         engine = Engine(model, dtype=dtype, device=device, max_model_len=max_model_len,
-                        trust_remote_code=trust_remote_code)
+                        trust_remote_code=trust_remote_code, prepack=prepack)
     except BaseException:
         sock.close()
         raise

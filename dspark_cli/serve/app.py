@@ -110,7 +110,7 @@ def create_app(engine: Engine, model_names: list[str], batcher: Batcher | None =
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": model_names[0], "context_length": engine.context_length,
-                "queued": batcher.queued, **batcher.stats.to_dict()}
+                "prepacked_linears": engine.prepacked, "queued": batcher.queued, **batcher.stats.to_dict()}
 
     @app.get("/metrics")
     async def metrics() -> dict[str, Any]:

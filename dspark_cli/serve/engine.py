@@ -20,6 +20,7 @@ from ..target.capture import cache_kwarg, stack_left_padded
 from ..target.chat import render_prompt
 from ..target.kv import new_cache, plain_layers
 from ..target.model import Target
+from ..target.prepack import packed_count
 from .sampling import SamplingParams, sample
 
 #: on_event(text_delta, finish_reason): finish_reason is None until the last call, then
@@ -77,8 +78,10 @@ class Engine:
     """A Transformers causal LM + tokenizer with batched, cached generation."""
 
     def __init__(self, model_path: str, dtype: str = "auto", device: str = "auto",
-                 max_model_len: int | None = None, trust_remote_code: bool = False) -> None:
-        target = Target.load(model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+                 max_model_len: int | None = None, trust_remote_code: bool = False,
+                 prepack: bool = True) -> None:
+        target = Target.load(model_path, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+                             prepack=prepack)
         self.model, self.tokenizer, self.device = target.model, target.tokenizer, target.device
         if not getattr(self.tokenizer, "chat_template", None):
             raise DsparkError(f"the tokenizer of {model_path} has no chat template.")
@@ -90,6 +93,7 @@ class Engine:
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
         self.dtype = str(target.dtype).removeprefix("torch.")
+        self.prepacked = packed_count(self.model)
         self._cache_arg = cache_kwarg(self.model)
         head = self.model.get_output_embeddings()
         if head is not None:

@@ -108,6 +108,8 @@ def regen_endpoints(cfg: Any, log_path: str | Path | None = None) -> Iterator[tu
     args = ["--max-batch-size", str(min(cfg.regen.concurrency, 64)), "--dtype", cfg.target.dtype]
     if cfg.target.trust_remote_code:
         args.append("--trust-remote-code")
+    if not cfg.target.prepack:
+        args.append("--no-prepack")
     if cfg.target.device != "auto":
         args += ["--device", cfg.target.device]
     with served(cfg.target.model, served_model_name=cfg.regen.model or cfg.target.model,
