@@ -40,6 +40,7 @@ from dspark_cli.target.chat import render_prompt
 from dspark_cli.target.dtypes import auto_dtype
 from dspark_cli.target.dtypes import torch_dtype as resolve_dtype
 from dspark_cli.target.model import load_target
+from dspark_cli.target.prepack import prepack_linears
 
 DEMO = "runs/smollm2-135m-dspark"
 DATASETS = ["dspark_cli/resources/demo_eval_gsm8k.jsonl", "dspark_cli/resources/demo_eval_humaneval.jsonl"]
@@ -238,6 +239,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=64, help="drafter candidates for the Markov bias (0: all)")
     ap.add_argument("--repeats", type=int, default=2, help="decodes per dataset, to show the spread")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-prepack", dest="prepack", action="store_false",
+                    help="the target's plain linears ([target] prepack = false), for comparison")
     ap.add_argument("--figure8-r", default="1,4,8,16")
     ap.add_argument("--figure8-limit", type=int, default=16)
     ap.add_argument("--figure8-tokens", type=int, default=32)
@@ -254,10 +257,12 @@ def main() -> None:
     t_start = time.perf_counter()
     load = Path("/proc/loadavg").read_text().split()[:3]
     print(f"# bench-decode {started}: {args.target} + {args.drafter}, {args.dtype}, {args.threads} threads, "
-          f"T={args.temperature}, top-k {args.top_k}; load average {' '.join(load)}")
+          f"T={args.temperature}, top-k {args.top_k}, prepack {args.prepack}; load average {' '.join(load)}")
 
-    model, tok = load_target(args.target, dtype=args.dtype, device="cpu")
+    model, tok = load_target(args.target, dtype=args.dtype, device="cpu", prepack=args.prepack)
     drafter = load_drafter(args.drafter, target=args.target, dtype=resolve_dtype(args.dtype))
+    if args.prepack:  # as `dspark eval` loads them (decode/stages.py load_models)
+        prepack_linears(drafter)
     temps = None
     if Path(args.calibration).exists():
         temps = load_calibration(args.calibration, drafter.block_size)
@@ -272,8 +277,10 @@ def main() -> None:
     for dtype in dict.fromkeys([args.dtype, "float32"]):
         m, d = model, drafter
         if dtype != args.dtype:
-            m, _ = load_target(args.target, dtype=dtype, device="cpu")
+            m, _ = load_target(args.target, dtype=dtype, device="cpu", prepack=args.prepack)
             d = load_drafter(args.drafter, target=args.target, dtype=resolve_dtype(dtype))
+            if args.prepack:
+                prepack_linears(d)
         micros[dtype] = res = micro(args, m, d, prompt)
         k = res["draft"][args.top_k]
         full = res["draft"][0]

@@ -37,6 +37,7 @@ def _target_input(cfg: PipelineConfig, target: str, output_url: str) -> str:
 def load_models(cfg: PipelineConfig, target: str, drafter_url: str) -> tuple[Any, Any, Any]:
     from ..model.export import load_drafter
     from ..target.model import Target
+    from ..target.prepack import prepack_linears
     from ..train.checkpoint import say_if_unrefit
 
     say_if_unrefit(drafter_url)
@@ -44,6 +45,8 @@ def load_models(cfg: PipelineConfig, target: str, drafter_url: str) -> tuple[Any
     # The drafter computes in the target's dtype: on CPUs with native bf16 a bf16 draft round was
     # measured 3x faster than fp32 (issue 16; bench-decode prints both).
     drafter = load_drafter(drafter_url, target=target, device=loaded.device, dtype=loaded.dtype)
+    if cfg.target.prepack:  # frozen here too, and its block forward is a few-row GEMM as well
+        prepack_linears(drafter)
     return loaded.model, loaded.tokenizer, drafter
 
 
@@ -96,14 +99,18 @@ def run_eval(cfg: PipelineConfig, target: str, drafter_url: str, output_url: str
     for extra in (ev.sps, ev.calibration):
         if extra:
             inputs[extra] = manifest.fingerprint(extra)
-    config = {"eval": ev.to_dict(), "target": {"dtype": cfg.target.dtype}}
+    config = {"eval": ev.to_dict(), "target": {"dtype": cfg.target.dtype, "prepack": cfg.target.prepack}}
     run = manifest.prepare_stage("eval", output_url, config, inputs, force)
     if run.state == "done":
         return already_done(run, lambda _m: storage.read_json(storage.join(output_url, "report.json")))
     model, tokenizer, drafter = load_models(cfg, target, drafter_url)
     run.claim()  # only once the models loaded: a wrong --target or --drafter leaves nothing behind
     storage.clean_temporaries(output_url)
+    from ..target.prepack import packed_count
     from . import plots
+    prepacked = packed_count(model)
+    console.print(f"  target: {prepacked} linears prepacked for multi-token steps" if prepacked
+                  else "  target: plain linears (no prepacking here: target/prepack.py)")
     from .specdec import SpeculativeDecoder, paired_decode, target_only, warm_up
     datasets = []
     for url in ev.datasets:
@@ -151,7 +158,7 @@ def run_eval(cfg: PipelineConfig, target: str, drafter_url: str, output_url: str
         "schema_version": 1, "target": target, "drafter": drafter_url, "block_size": drafter.block_size,
         "temperature": ev.temperature, "max_new_tokens": ev.max_new_tokens, "thinking": ev.thinking,
         "schedule": ev.schedule, "concurrency": ev.concurrency, "calibration": ev.calibration or None,
-        "sps": ev.sps or None, "datasets": datasets,
+        "sps": ev.sps or None, "target_prepacked": prepacked, "datasets": datasets,
     }
     validate(report, "eval_report", where=storage.join(output_url, "report.json"))
     plots.acceptance_plot(datasets, storage.join(output_url, "acceptance.png"))
@@ -261,7 +268,8 @@ def run_profile(cfg: PipelineConfig, target: str, output_url: str, batch_tokens:
 
     The summary holds the table (batch_tokens, steps_per_second) and the sps.json URL."""
     grid = batch_tokens or default_batch_grid()
-    config = {"target": {"dtype": cfg.target.dtype, "device": cfg.target.device},
+    t = cfg.target
+    config = {"target": {"dtype": t.dtype, "device": t.device, "prepack": t.prepack},
               "profile": {"batch_tokens": grid, "context_length": context_length, "repeats": repeats,
                           "tokens_per_row": tokens_per_row}}
     inputs = {target: _target_input(cfg, target, output_url)}
@@ -272,13 +280,14 @@ def run_profile(cfg: PipelineConfig, target: str, output_url: str, batch_tokens:
     import torch
 
     from ..target.model import Target
+    from ..target.prepack import packed_count
     from . import plots
 
     model = Target.from_settings(cfg.target, path=target).model
     run.claim()
     table = profile_target(model, grid, context_length=context_length, repeats=repeats,
                            tokens_per_row=tokens_per_row)
-    table.meta.update({"target": target, "torch": torch.__version__})
+    table.meta.update({"target": target, "torch": torch.__version__, "prepacked": packed_count(model)})
     table.save(sps_url)
     plots.sps_plot(table.batch_tokens, table.steps_per_second, storage.join(output_url, "sps.png"),
                    title=f"{storage.basename(target)} on {table.meta['device']} ({table.meta['dtype']})")
