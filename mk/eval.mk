@@ -1,6 +1,6 @@
 # Eval stage (docs/eval.md): losslessness audit, STS, SPS of SmolLM2-135M on this machine, and —
 # once `make demo` has trained a drafter — speculative decoding under each schedule.
-.PHONY: bench-eval bench-decode audit test-eval bench-calibration bench-draft-candidates
+.PHONY: bench-eval bench-decode audit test-eval bench-calibration bench-draft-candidates bench-prepack
 
 ## Audit p-values + synthetic STS + SPS(B) of SmolLM2 (+ decoding when the demo drafter exists).
 bench-eval: demo-model
@@ -28,6 +28,11 @@ bench-decode: demo-model
 		$(BIN)/dspark pipeline run pipelines/smollm2-135m.toml --stages prepare,regen,cache,train,calibrate
 	$(BIN)/python -m benchmarks.bench_decode --drafter $(DEMO_WORK)/train \
 		--calibration $(DEMO_WORK)/calibration/calibration.json
+
+## The target's prepacked linears against the plain ones (target/prepack.py): verification of
+## 1-8 tokens, a 32-sequence server step, a cache prefill (~2 minutes).
+bench-prepack: demo-model
+	$(BIN)/python -m benchmarks.bench_prepack
 
 ## τ of the demo drafter with each top-k candidate rule (base logits alone, + the Markov bias's
 ## favoured tokens, the whole vocabulary), same conversations and seeds (~6 minutes).
