@@ -1,12 +1,13 @@
-"""Prepacked linear weights for a frozen target on the CPU: multi-token steps at one-token cost.
+"""Prepacked linear weights for a frozen target on the CPU: multi-token steps near one-token cost.
 
 A decoding step of one token per sequence is a matrix-vector product (GEMV) that streams each
 weight once. A verification step of a few tokens (anchor + drafts), or a server step of a few
 sequences, is a GEMM with M = 2…64 rows; on the CPU its library kernel repacks the whole weight
 into its blocked layout on every call, and that copy costs more than the multiplication: on a
-2-core AVX2 VM SmolLM2-135M's forward took 56 ms for 1 new token and 96 ms for 2 (docs/eval.md),
-so any speculative round cost ≥ 1.7 target steps. Packing each weight once, into oneDNN's
-layout, lets every M ≥ 2 call reuse it; M = 1 keeps the plain GEMV, which is faster there.
+2-core AVX2 VM SmolLM2-135M's fp32 forward took 78 ms for 1 new token, 118 for 2 and 143 for 8,
+so any speculative round cost ≥ 1.5 target steps. Packing each weight once, into oneDNN's
+layout, lets every M ≥ 2 call reuse it: 76 ms for 2, 93 for 8 (`make bench-prepack`,
+docs/eval.md); M = 1 keeps the plain GEMV, which is faster there.
 
     packed = prepack_linears(model)   # number of nn.Linear layers now packed (0 where unsupported)
 
