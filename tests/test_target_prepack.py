@@ -36,7 +36,7 @@ def test_packed_target_matches_plain_through_the_decoders_forward(tiny_llama_tar
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
-def test_one_token_and_gradients_take_the_plain_path(tiny_llama_target):
+def test_gradients_take_the_plain_path_and_one_row_the_packed_one(tiny_llama_target):
     model, _ = load_target(str(tiny_llama_target), "float32", "cpu", prepack=True)
     layer = next(m for m in model.modules() if isinstance(m, PackedLinear))
     x = torch.randn(3, layer.in_features, requires_grad=True)
@@ -44,7 +44,11 @@ def test_one_token_and_gradients_take_the_plain_path(tiny_llama_target):
     expected = layer.weight.sum(0).expand(3, -1)
     torch.testing.assert_close(x.grad, expected)
     one = torch.randn(1, 1, layer.in_features)
-    torch.testing.assert_close(layer(one), torch.nn.functional.linear(one, layer.weight, layer.bias))
+    with torch.inference_mode():  # one row (the target-only baseline's step) runs packed as well
+        torch.testing.assert_close(layer(one), torch.nn.functional.linear(one, layer.weight, layer.bias))
+    layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(layer.weight), None)
+    with torch.inference_mode():
+        assert layer(one).abs().max() == (layer.bias.abs().max() if layer.bias is not None else 0)
 
 
 def test_left_plain_where_packing_does_not_apply(tiny_llama_target):

@@ -6,8 +6,9 @@ sequences, is a GEMM with M = 2…64 rows; on the CPU its library kernel repacks
 into its blocked layout on every call, and that copy costs more than the multiplication: on a
 2-core AVX2 VM SmolLM2-135M's fp32 forward took 78 ms for 1 new token, 118 for 2 and 143 for 8,
 so any speculative round cost ≥ 1.5 target steps. Packing each weight once, into oneDNN's
-layout, lets every M ≥ 2 call reuse it: 76 ms for 2, 93 for 8 (`make bench-prepack`,
-docs/eval.md); M = 1 keeps the plain GEMV, which is faster there.
+layout, lets every call reuse it: 76 ms for 2, 93 for 8 (`make bench-prepack`, docs/eval.md).
+One row takes the packed kernel too, because it is faster there as well (a whole step 71 → 57 ms):
+the target-only baseline must run the fastest path the target has, or the speed-up is inflated.
 
     packed = prepack_linears(model)   # number of nn.Linear layers now packed (0 where unsupported)
 
@@ -29,7 +30,7 @@ PACKED_DTYPES = (torch.float32,)
 
 
 class PackedLinear(torch.nn.Linear):
-    """An nn.Linear that keeps a oneDNN-packed copy of its frozen weight for M ≥ 2 inputs.
+    """An nn.Linear that multiplies by a oneDNN-packed copy of its frozen weight.
 
     Installed by swapping the class of an existing module (`prepack_linears`), so its parameters,
     weight tying and state dict are the original's.
@@ -38,8 +39,7 @@ class PackedLinear(torch.nn.Linear):
     packed_weight: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(1, x.shape[-1])
-        if rows < 2 or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias,
                                                   "none", [], "")
