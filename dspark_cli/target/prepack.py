@@ -1,14 +1,14 @@
-"""Prepacked linear weights for a frozen target on the CPU: multi-token steps near one-token cost.
+"""Prepacked linear weights for a frozen target on the CPU: every step faster, multi-token ones most.
 
 A decoding step of one token per sequence is a matrix-vector product (GEMV) that streams each
 weight once. A verification step of a few tokens (anchor + drafts), or a server step of a few
 sequences, is a GEMM with M = 2…64 rows; on the CPU its library kernel repacks the whole weight
 into its blocked layout on every call, and that copy costs more than the multiplication: on a
-2-core AVX2 VM SmolLM2-135M's fp32 forward took 78 ms for 1 new token, 118 for 2 and 143 for 8,
-so any speculative round cost ≥ 1.5 target steps. Packing each weight once, into oneDNN's
-layout, lets every call reuse it: 76 ms for 2, 93 for 8 (`make bench-prepack`, docs/eval.md).
-One row takes the packed kernel too, because it is faster there as well (a whole step 71 → 57 ms):
-the target-only baseline must run the fastest path the target has, or the speed-up is inflated.
+2-core AVX2 VM SmolLM2-135M's fp32 forward took 73 ms for 1 new token, 110 for 2 and 130 for 8.
+Packing each weight once, into oneDNN's layout, lets every call reuse it: 58, 73 and 90 ms
+(`make bench-prepack`, docs/eval.md). One row takes the packed kernel too, since it is faster
+there as well: the target-only baseline must run the fastest path the target has, or a
+speculative speed-up measured against it is inflated.
 
     packed = prepack_linears(model)   # number of nn.Linear layers now packed (0 where unsupported)
 
