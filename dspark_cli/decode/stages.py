@@ -109,7 +109,7 @@ def run_eval(cfg: PipelineConfig, target: str, drafter_url: str, output_url: str
     from ..target.prepack import packed_count
     from . import plots
     prepacked = packed_count(model)
-    console.print(f"  target: {prepacked} linears prepacked for multi-token steps" if prepacked
+    console.print(f"  target: {prepacked} linears prepacked" if prepacked
                   else "  target: plain linears (no prepacking here: target/prepack.py)")
     from .specdec import SpeculativeDecoder, paired_decode, target_only, warm_up
     datasets = []
