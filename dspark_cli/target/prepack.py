@@ -25,8 +25,22 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-#: Where prepacking applies by default: CPU fp32, the case measured (docs/eval.md).
-PACKED_DTYPES = (torch.float32,)
+#: Where prepacking applies: CPU fp32 everywhere, bf16 where oneDNN has native bf16 kernels
+#: (AVX512-BF16/AMX; elsewhere its bf16 linear is refused or a slow fallback). Both measured
+#: (`make bench-prepack`, docs/eval.md).
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def packs_dtype(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN packs weights of `dtype` (bf16 only with native bf16 kernels)."""
+    if dtype not in PACKED_DTYPES:
+        return False
+    if dtype == torch.bfloat16:
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            return False
+    return True
 
 
 class PackedLinear(torch.nn.Linear):
@@ -46,12 +60,12 @@ class PackedLinear(torch.nn.Linear):
 
 
 def prepack_supported(model: Any) -> bool:
-    """CPU weights of a packed dtype, and a torch built with oneDNN."""
+    """CPU weights of a dtype this CPU packs, and a torch built with oneDNN."""
     try:
         param = next(model.parameters())
     except StopIteration:
         return False
-    return (param.device.type == "cpu" and param.dtype in PACKED_DTYPES
+    return (param.device.type == "cpu" and packs_dtype(param.dtype)
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
