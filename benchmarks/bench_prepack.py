@@ -71,7 +71,8 @@ def main() -> None:
     model, _ = load_target(args.target, dtype=dtype, device="cpu")
     plain = measure(model, args)
     if not prepack_linears(model):
-        print("# nothing packed here (not CPU float32, no oneDNN, or not enough memory): plain only")
+        print("# nothing packed here (not CPU float32 or native bf16, no oneDNN, or not enough memory): "
+              "plain only")
         for name, ms in plain.items():
             print(f"| {name} | {ms:.1f} ms |")
         return

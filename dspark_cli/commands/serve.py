@@ -41,8 +41,8 @@ def serve(
     trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code",
                                                     help="Run code from the model repository.")] = False,
     prepack: Annotated[bool, typer.Option("--prepack/--no-prepack",
-                                          help="Pack the linear weights once where multi-sequence steps "
-                                          "gain (CPU float32; target/prepack.py).")] = True,
+                                          help="Pack the linear weights once where steps gain (CPU "
+                                          "float32, bf16 with native bf16; target/prepack.py).")] = True,
 ) -> None:
     """Serve MODEL on /v1/chat/completions (JSON and SSE), /v1/models and /health."""
     import os

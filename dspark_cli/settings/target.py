@@ -31,8 +31,9 @@ class TargetSettings(Section):
     mask_token_id: int | None = None
     #: Executing code from the model repository is off unless turned on here.
     trust_remote_code: bool = False
-    #: Pack the frozen target's linear weights once where that makes multi-token steps cheaper
-    #: (CPU float32: target/prepack.py). false: the plain path, e.g. to compare the two.
+    #: Pack the frozen target's linear weights once where that makes its steps cheaper (CPU
+    #: float32, and bf16 where oneDNN has native bf16: target/prepack.py). false: the plain path,
+    #: e.g. to compare the two.
     prepack: bool = True
 
     def validate(self) -> None:
