@@ -11,7 +11,10 @@ Per dataset it prints t₁…t₈ (one target step over n tokens), t_draft split
 the time outside both, τ, speculative and target-only tokens/s, the speed-up and the one the cost
 model predicts, τ·t₁ / (t_draft + t_verify) — with t₁ the target-only loop's seconds per token on
 the same prompts (and, for reference, with the micro benchmark's t₁); then one line per dataset for
-scripts:
+scripts. It decodes with the demo's `[eval]` schedule (`--schedule`, `--threshold`), so its
+speed-up compares with the demo's report. The prediction leaves the speculative side's prefill out
+of the round while the baseline's t₁ includes its own, so it reads high when few tokens follow a
+prompt (docs/benchmarks.md#make-bench-decode):
 
     bench-decode gsm8k tau=1.25 c=0.21 speedup=1.02 predicted=1.03
 
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from dspark_cli.config import load_config
 from dspark_cli.decode.batch import TargetBatch
 from dspark_cli.decode.prompts import dataset_name, load_conversations
 from dspark_cli.decode.report import round_phases
@@ -43,6 +47,9 @@ from dspark_cli.target.model import load_target
 from dspark_cli.target.prepack import prepack_linears
 
 DEMO = "runs/smollm2-135m-dspark"
+#: What the demo's eval decodes with, so the decoding table compares with its report.
+DEMO_CONFIG = Path(__file__).resolve().parent.parent / "pipelines" / "smollm2-135m.toml"
+DEMO_EVAL = load_config(str(DEMO_CONFIG), []).eval
 DATASETS = ["dspark_cli/resources/demo_eval_gsm8k.jsonl", "dspark_cli/resources/demo_eval_humaneval.jsonl"]
 
 
@@ -100,9 +107,11 @@ def micro(args, model, drafter, prompt: list[int]) -> dict:
     return out
 
 
-def decode_dataset(args, model, tok, drafter, convs, temps, schedule="fixed", concurrency=1,
+def decode_dataset(args, model, tok, drafter, convs, temps, schedule=None, concurrency=1,
                    sps=None, max_new_tokens=None):
-    scheduler = Scheduler(schedule, drafter.block_size if drafter is not None else 1, sps)
+    """One decode of `convs`; the schedule defaults to --schedule (the demo's eval schedule)."""
+    scheduler = Scheduler(schedule or args.schedule, drafter.block_size if drafter is not None else 1, sps,
+                          threshold=args.threshold)
     decoder = SpeculativeDecoder(model, tok, drafter, scheduler, temperature=args.temperature,
                                  max_new_tokens=max_new_tokens or args.max_new_tokens,
                                  temperatures=temps if drafter is not None else None,
@@ -241,6 +250,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-prepack", dest="prepack", action="store_false",
                     help="the target's plain linears ([target] prepack = false), for comparison")
+    ap.add_argument("--schedule", default=DEMO_EVAL.schedule, choices=POLICIES,
+                    help="the decoding table's schedule (default: the demo's [eval] schedule)")
+    ap.add_argument("--threshold", type=float, default=DEMO_EVAL.threshold,
+                    help="the threshold schedule's cut (default: the demo's)")
     ap.add_argument("--figure8-r", default="1,4,8,16")
     ap.add_argument("--figure8-limit", type=int, default=16)
     ap.add_argument("--figure8-tokens", type=int, default=32)
@@ -290,7 +303,8 @@ def main() -> None:
         del m, d
     t1 = micros[args.dtype]["t"][1]
 
-    print("\n## decoding (fixed schedule, R = 1)")
+    cut = f" {args.threshold}" if args.schedule == "threshold" else ""
+    print(f"\n## decoding ({args.schedule} schedule{cut}, R = 1)")
     datasets = bench_datasets(args, model, tok, drafter, temps, t1)
     print_datasets(datasets, micros[args.dtype]["t"])
     figure8 = None if args.skip_figure8 else bench_figure8(args, model, tok, drafter, temps)
