@@ -18,6 +18,7 @@ from rich.table import Table
 
 from . import manifest, storage
 from .config import PipelineConfig
+from .decode.report import interval_line
 from .errors import DsparkError
 from .pipeline import STAGES, stage_output
 
@@ -71,7 +72,8 @@ def collect(cfg: PipelineConfig) -> dict[str, Any]:
                           "target_tokens_per_second": d["tokens_per_second"]["target_only"],
                           "speedup": d["tokens_per_second"]["speedup"],
                           # a round's cost in target steps: the τ at which the speed-up is 1
-                          "break_even_tau": (d.get("round_cost") or {}).get("cost_in_target_steps")}
+                          "break_even_tau": (d.get("round_cost") or {}).get("cost_in_target_steps"),
+                          "tau_interval_line": interval_line(d) if d.get("tau_interval") else None}
                          for d in report["datasets"]],
             "pooled_conditional": pooled_conditional(report),
         }
@@ -121,6 +123,8 @@ def render(report: dict[str, Any]) -> list[Table | str]:
         blocks.append(table)
         blocks.append("conditional acceptance, all datasets: "
                       + " ".join(_f(c) for c in ev["pooled_conditional"]))
+        blocks += [f"{display_name(d['name'])}: {d['tau_interval_line']}" for d in ev["datasets"]
+                   if d.get("tau_interval_line")]
     else:
         blocks.append("eval: not finished (no τ, acceptance or speed-up yet)")
     cal = report["calibration"]

@@ -11,11 +11,13 @@ from dspark_cli.decode.report import (
     accepted_lengths,
     conversation_ratio_interval,
     cost_line,
+    interval_line,
     macro_ratio_interval,
     per_conversation,
     position_acceptance,
     round_cost,
     tau_from_conditional,
+    tau_interval,
 )
 from dspark_cli.decode.specdec import BatchRound, DecodeStats, RoundLog
 
@@ -154,3 +156,28 @@ def test_round_cost_splits_a_round_in_target_steps_and_explains_the_speedup_exac
     line = cost_line(cost)
     assert "2.50 target steps" in line and "verify 1.50" in line and "0.80×" in line
     assert round_cost(spec, None) is None and round_cost(DecodeStats(gamma=7), base) is None
+
+
+def test_tau_interval_covers_the_truth_over_conversations_and_narrows_with_them():
+    """τ of one dataset, resampled by conversation: covers the population τ in most experiments
+    (rounds of one conversation are alike, so fewer conversations give a wider interval)."""
+    rng = np.random.default_rng(2)
+    truth = (1 + sum(np.mean(rng.beta(2.0, 2.0, 200_000) ** k) for k in range(1, 8)))
+    covered, trials = 0, 40
+    for _ in range(trials):
+        _, record = _experiment(rng, 20)  # the side whose slots accept with p ~ Beta(2, 2)
+        low, high = tau_interval(record, draws=300)
+        point = (sum(record["accepted"]) + sum(record["rounds"])) / sum(record["rounds"])
+        assert low <= point <= high
+        covered += low <= truth <= high
+    assert covered / trials >= 0.8
+    few, many = (tau_interval(_experiment(rng, n)[1], draws=400) for n in (8, 160))
+    assert many[1] - many[0] < 0.5 * (few[1] - few[0])
+    assert tau_interval({"ids": ["a"], "rounds": [5], "accepted": [3]}) is None
+
+
+def test_interval_line_turns_the_tau_interval_into_speedups_at_the_round_cost():
+    dataset = {"conversations": 8, "tau_interval": [1.5, 1.8], "round_cost": {"cost_in_target_steps": 1.5}}
+    assert interval_line(dataset) == ("τ 1.50–1.80 (95% over 8 conversations): "
+                                      "speed-up 1.00–1.20× at this round cost")
+    assert interval_line({"conversations": 8, "tau_interval": [1.5, 1.8]}).endswith("conversations)")

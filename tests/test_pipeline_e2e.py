@@ -135,6 +135,8 @@ def test_pipeline_killed_midway_then_resumed_completes(tmp_path, tiny_qwen3_targ
     for dataset in report["datasets"]:
         assert dataset["new_tokens"] > 0 and 1.0 <= dataset["tau"] <= 4 + 1
         assert dataset["conversations"] == 2
+        low, high = dataset["tau_interval"]  # 95% over its conversations
+        assert low <= dataset["tau"] <= high
     assert report["calibration"]  # the pipeline hands calibrate's file to eval
 
     rerun = _start(config, run_dir)
@@ -175,6 +177,7 @@ def _check_report(config: Path, run_dir: Path, work: Path, report: dict, calibra
     assert f"{first['round_cost']['cost_in_target_steps']:.2f}" in text
     assert f"{pooled['ece_before']:.2%} → {pooled['ece_after']:.2%}" in text
     assert "plot: work/eval/acceptance.png" in text
+    assert "τ {:.2f}–{:.2f} (95% over 2".format(*first["tau_interval"]) in text
 
     # The outputs belong to the directory the pipeline ran in: from the config's folder there are none.
     proc = _report(config, config.parent)

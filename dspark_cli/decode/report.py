@@ -106,12 +106,34 @@ def conversation_ratio_interval(numerator: list[dict[str, list]], denominator: l
             raise ValueError("the two reports share no conversation in one dataset.")
         a, b = (np.array(x) for x in zip(*common, strict=True))
         pick = rng.integers(0, len(common), (draws, len(common)))  # [draws, n]
-        for side, rows, out in ((num, a, macro_num), (den, b, macro_den)):
-            r = np.asarray(side["rounds"], dtype=np.float64)[rows][pick].sum(axis=1)
-            acc = np.asarray(side["accepted"], dtype=np.float64)[rows][pick].sum(axis=1)
-            out += (acc + r) / np.maximum(r, 1.0) / len(numerator)
+        macro_num += _resampled_tau(num, a, pick) / len(numerator)
+        macro_den += _resampled_tau(den, b, pick) / len(numerator)
     low, high = np.percentile(macro_num / macro_den, [2.5, 97.5])
     return float(low), float(high)
+
+
+def _resampled_tau(record: dict[str, list], rows: np.ndarray, pick: np.ndarray) -> np.ndarray:
+    """τ of each resample [draws]: (Σ accepted + Σ rounds) / Σ rounds of the picked conversations
+    (`pick` indexes `rows`, which index the `per_conversation` record), as the report's τ."""
+    r = np.asarray(record["rounds"], dtype=np.float64)[rows][pick].sum(axis=1)
+    acc = np.asarray(record["accepted"], dtype=np.float64)[rows][pick].sum(axis=1)
+    return (acc + r) / np.maximum(r, 1.0)
+
+
+def tau_interval(record: dict[str, list], draws: int = 2000, seed: int = 0) -> list[float] | None:
+    """95% bootstrap interval over conversations of one dataset's τ (a `per_conversation` record).
+
+    Which answers get sampled moves τ far more than the clock moves a round's cost, and a round
+    costs about the same in any conversation, so the speed-up moves with τ: this says how far one
+    eval's speed-up can be trusted (the demo's 8 conversations: about ±6%). None below two
+    conversations.
+    """
+    n = len(record["ids"])
+    if n < 2:
+        return None
+    pick = np.random.default_rng(seed).integers(0, n, (draws, n))
+    low, high = np.percentile(_resampled_tau(record, np.arange(n), pick), [2.5, 97.5])
+    return [float(low), float(high)]
 
 
 def records(stats: DecodeStats) -> RoundRecords | None:
@@ -201,6 +223,7 @@ def dataset_report(name: str, url: str, conversations: int, stats: DecodeStats,
                    timing: str = "sequential") -> dict[str, Any]:
     """One dataset's report; `timing` says how the two loops' clocks relate (specdec.paired_decode)."""
     rounds = len(stats.rounds)
+    conversation_sums = per_conversation(stats)
     accepted = sum(r.accepted for r in stats.rounds)
     verified = sum(r.verified for r in stats.rounds)
     spec_tps = stats.new_tokens / stats.seconds if stats.seconds > 0 else None
@@ -219,7 +242,8 @@ def dataset_report(name: str, url: str, conversations: int, stats: DecodeStats,
         "accepted": accepted,
         "acceptance_rate": accepted / verified if verified else None,
         "position_acceptance": position_acceptance(stats),
-        "per_conversation": per_conversation(stats),
+        "per_conversation": conversation_sums,
+        "tau_interval": tau_interval(conversation_sums),  # 95%, bootstrap over conversations
         "tokens_per_second": {"speculative": spec_tps, "target_only": base_tps,
                               "speedup": spec_tps / base_tps if spec_tps and base_tps else None,
                               "speculative_seconds": stats.seconds,
@@ -266,7 +290,19 @@ def render_table(report: dict[str, Any]) -> Group:
         lines.append(Text(f"{d['name']}: conditional acceptance by position {cond}"))
         if d.get("round_cost"):  # reports written before it lack it
             lines.append(Text(f"{d['name']}: {cost_line(d['round_cost'])}"))
+        if d.get("tau_interval"):
+            lines.append(Text(f"{d['name']}: {interval_line(d)}"))
     return Group(table, *lines)
+
+
+def interval_line(dataset: dict[str, Any]) -> str:
+    """'τ 1.56–1.77 (95% over 8 conversations): speed-up 1.03–1.17× at this round cost'."""
+    low, high = dataset["tau_interval"]
+    line = f"τ {low:.2f}–{high:.2f} (95% over {dataset['conversations']} conversations)"
+    cost = (dataset.get("round_cost") or {}).get("cost_in_target_steps")
+    if cost:
+        line += f": speed-up {low / cost:.2f}–{high / cost:.2f}× at this round cost"
+    return line
 
 
 def cost_line(cost: dict[str, Any]) -> str:
