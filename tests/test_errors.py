@@ -335,3 +335,16 @@ def test_a_wrong_path_fails_before_torch_loads(tmp_path):
                     if line.startswith("import time:")}
         assert "dspark_cli.cli" in imported, proc.stderr[-500:]  # the profile did record the imports
         assert not imported & {"torch", "transformers", "matplotlib"}, args
+
+
+def test_a_bad_flag_of_train_or_profile_fails_before_torch_loads(tmp_path):
+    """train and profile validate their flags and config before importing the trainer or the
+    decoder (torch, ~2 s on 2 cores)."""
+    for args, culprit in [(["train", "--epochs", "-3"], "--epochs"),
+                          (["profile", "--repeats", "0"], "--repeats")]:
+        proc = run_dspark(*args, cwd=tmp_path, env={"PYTHONPROFILEIMPORTTIME": "1"})
+        assert_user_error(proc, culprit)
+        imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
+                    if line.startswith("import time:")}
+        assert "dspark_cli.cli" in imported, proc.stderr[-500:]
+        assert not imported & {"torch", "transformers"}, args

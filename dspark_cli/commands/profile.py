@@ -38,7 +38,6 @@ def profile_cmd(
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N (target.device).")] = None,
 ) -> None:
     """Measure SPS(B) on this hardware."""
-    from ..decode.stages import run_profile
     from ..errors import DsparkError
 
     cfg = load(config, set_, target={"model": target, "dtype": dtype, "device": device})
@@ -52,6 +51,8 @@ def profile_cmd(
         raise DsparkError("--repeats, --context-length and --tokens-per-row must be >= 1.")
     output = output or cfg.stage_url("profile")
     console.print(f"[cyan]▶[/] profile: {cfg.target.model} → {output}")
+    from ..decode.stages import run_profile  # torch: only once the flags are known good
+
     result = run_profile(cfg, cfg.target.model, output, grid, context_length, repeats, force=force,
                          tokens_per_row=tokens_per_row)
     say_if_done(result, "profile", "use --force to rerun")

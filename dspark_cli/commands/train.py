@@ -49,8 +49,6 @@ def train_command(
     force: ForceOpt = False,
 ) -> None:
     """Train a DSpark (or DFlash baseline) drafter; resumes from the latest checkpoint after a crash."""
-    from ..train.trainer import train
-
     cfg = load(config, set_, target={"model": target, "dtype": target_dtype},
                train={"max_steps": max_steps, "epochs": epochs, "global_batch": global_batch,
                       "micro_batch": micro_batch, "lr": lr, "num_anchors": num_anchors, "device": device,
@@ -75,6 +73,8 @@ def train_command(
         def open_split(split: str) -> CacheDataset:
             memory_mb = cfg.train.cache_memory_mb if split == "train" else 0  # validation: read once
             return CacheDataset(input_url, split=split, memory_mb=memory_mb)
+    from ..train.trainer import train  # torch: only once the flags and config are known good
+
     result = train(cfg, input_url, output_url, force=force, open_split=open_split)
     if result.summary:  # rank 0 only
         say_if_done(result, "train")
