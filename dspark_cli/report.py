@@ -73,7 +73,7 @@ def collect(cfg: PipelineConfig) -> dict[str, Any]:
                           "speedup": d["tokens_per_second"]["speedup"],
                           # a round's cost in target steps: the τ at which the speed-up is 1
                           "break_even_tau": (d.get("round_cost") or {}).get("cost_in_target_steps"),
-                          "tau_interval_line": interval_line(d) if d.get("tau_interval") else None}
+                          "tau_interval": d.get("tau_interval")}  # 95% over conversations
                          for d in report["datasets"]],
             "pooled_conditional": pooled_conditional(report),
         }
@@ -123,8 +123,9 @@ def render(report: dict[str, Any]) -> list[Table | str]:
         blocks.append(table)
         blocks.append("conditional acceptance, all datasets: "
                       + " ".join(_f(c) for c in ev["pooled_conditional"]))
-        blocks += [f"{display_name(d['name'])}: {d['tau_interval_line']}" for d in ev["datasets"]
-                   if d.get("tau_interval_line")]
+        blocks += [f"{display_name(d['name'])}: "
+                   f"{interval_line(d['tau_interval'], d['conversations'], d['break_even_tau'])}"
+                   for d in ev["datasets"] if d.get("tau_interval")]
     else:
         blocks.append("eval: not finished (no τ, acceptance or speed-up yet)")
     cal = report["calibration"]

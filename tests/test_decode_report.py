@@ -177,7 +177,6 @@ def test_tau_interval_covers_the_truth_over_conversations_and_narrows_with_them(
 
 
 def test_interval_line_turns_the_tau_interval_into_speedups_at_the_round_cost():
-    dataset = {"conversations": 8, "tau_interval": [1.5, 1.8], "round_cost": {"cost_in_target_steps": 1.5}}
-    assert interval_line(dataset) == ("τ 1.50–1.80 (95% over 8 conversations): "
-                                      "speed-up 1.00–1.20× at this round cost")
-    assert interval_line({"conversations": 8, "tau_interval": [1.5, 1.8]}).endswith("conversations)")
+    assert interval_line([1.5, 1.8], 8, 1.5) == ("τ 1.50–1.80 (95% over 8 conversations): "
+                                                 "speed-up 1.00–1.20× at this round cost")
+    assert interval_line([1.5, 1.8], 8, None).endswith("conversations)")

@@ -331,8 +331,7 @@ def test_a_wrong_path_fails_before_torch_loads(tmp_path):
     ]:
         proc = run_dspark(*args, cwd=tmp_path, env={"PYTHONPROFILEIMPORTTIME": "1"})
         assert_user_error(proc, culprit)
-        imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
-                    if line.startswith("import time:")}
+        imported = imported_modules(proc)
         assert "dspark_cli.cli" in imported, proc.stderr[-500:]  # the profile did record the imports
         assert not imported & {"torch", "transformers", "matplotlib"}, args
 
@@ -344,7 +343,12 @@ def test_a_bad_flag_of_train_or_profile_fails_before_torch_loads(tmp_path):
                           (["profile", "--repeats", "0"], "--repeats")]:
         proc = run_dspark(*args, cwd=tmp_path, env={"PYTHONPROFILEIMPORTTIME": "1"})
         assert_user_error(proc, culprit)
-        imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
-                    if line.startswith("import time:")}
+        imported = imported_modules(proc)
         assert "dspark_cli.cli" in imported, proc.stderr[-500:]
         assert not imported & {"torch", "transformers"}, args
+
+
+def imported_modules(proc) -> set[str]:
+    """Modules a `PYTHONPROFILEIMPORTTIME=1` run imported (its stderr's 'import time:' lines)."""
+    return {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
+            if line.startswith("import time:")}

@@ -291,15 +291,16 @@ def render_table(report: dict[str, Any]) -> Group:
         if d.get("round_cost"):  # reports written before it lack it
             lines.append(Text(f"{d['name']}: {cost_line(d['round_cost'])}"))
         if d.get("tau_interval"):
-            lines.append(Text(f"{d['name']}: {interval_line(d)}"))
+            cost = (d.get("round_cost") or {}).get("cost_in_target_steps")
+            lines.append(Text(f"{d['name']}: {interval_line(d['tau_interval'], d['conversations'], cost)}"))
     return Group(table, *lines)
 
 
-def interval_line(dataset: dict[str, Any]) -> str:
+def interval_line(tau_range: list[float], conversations: int, round_cost_steps: float | None) -> str:
     """'τ 1.56–1.77 (95% over 8 conversations): speed-up 1.03–1.17× at this round cost'."""
-    low, high = dataset["tau_interval"]
-    line = f"τ {low:.2f}–{high:.2f} (95% over {dataset['conversations']} conversations)"
-    cost = (dataset.get("round_cost") or {}).get("cost_in_target_steps")
+    low, high = tau_range
+    line = f"τ {low:.2f}–{high:.2f} (95% over {conversations} conversations)"
+    cost = round_cost_steps
     if cost:
         line += f": speed-up {low / cost:.2f}–{high / cost:.2f}× at this round cost"
     return line
