@@ -51,6 +51,20 @@ def _cfg(target: Path, out: Path, *sets: str):
     return load_config(None, [*drafter_settings(target, mask_token_id(target), str(out)), *sets])
 
 
+def test_target_only_baseline_computes_logits_for_sampled_rows_only(models):
+    """The tokens/s baseline must not pay for vocabulary-wide logits it never samples: its prefill
+    keeps the prompt's last row only, as the speculative prefill does (features, then one row)."""
+    model, tokenizer, _drafter = models
+    rows: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda _m, _i, out: rows.append(out.reshape(-1, out.shape[-1]).shape[0]))
+    try:
+        stats = target_only(model, tokenizer, CONVS[:1], temperature=0.0, max_new_tokens=4, thinking=False)
+    finally:
+        hook.remove()
+    assert stats.new_tokens > 0 and rows and set(rows) == {1}
+
+
 @pytest.mark.parametrize(("schedule", "concurrency", "top_k"),
                          [("fixed", 1, 64), ("fixed", 3, 0), ("threshold", 2, 64), ("algorithm1", 3, 64),
                           ("async", 3, 8)])

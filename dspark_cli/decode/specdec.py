@@ -301,7 +301,11 @@ def target_only(model: Any, tokenizer: Any, conversations: list[Conversation], *
             cache = new_cache(model.config)
             out_ids: list[int] = []
             while len(out_ids) < max_new_tokens:
-                logits = model(input_ids=ids, use_cache=True, **{cache_kw: cache}).logits[0, -1]
+                # logits_to_keep=1: the prompt's other rows are never sampled, and their [T, V]
+                # logits would charge the baseline a full-vocabulary product the speculative
+                # prefill (features only) does not pay.
+                logits = model(input_ids=ids, use_cache=True, logits_to_keep=1,
+                               **{cache_kw: cache}).logits[0, -1]
                 token = sample(probs_from_logits(logits, temperature), gen)
                 out_ids.append(token)
                 if token in stop:
