@@ -76,7 +76,8 @@ def test_dspark_and_dflash_differ_only_in_heads_and_loss():
     a, b = (load_config(str(REPO / c), []).to_dict() for c in CONFIGS)
     for section in ("target", "data", "regen", "cache"):
         assert a[section] == b[section], section
-    same_budget = ("num_anchors", "lr", "global_batch", "micro_batch", "epochs", "max_steps", "seed")
+    same_budget = ("num_anchors", "lr", "global_batch", "micro_batch", "epochs", "max_steps", "seed",
+                   "backbone_init")
     assert {k: a["train"][k] for k in same_budget} == {k: b["train"][k] for k in same_budget}
     assert a["model"]["num_draft_layers"] == b["model"]["num_draft_layers"]
     assert (a["model"]["markov_head_type"], b["model"]["markov_head_type"]) == ("vanilla", "none")

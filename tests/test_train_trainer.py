@@ -142,6 +142,19 @@ def test_a_drafter_without_markov_head_leaves_its_keys_out(tiny_qwen3_target, sa
         assert key not in headless["config"]["train"], key
 
 
+def test_backbone_init_target_is_recorded_and_its_default_leaves_the_key_out(tiny_qwen3_target, samples,
+                                                                             memory_url):
+    base = sets_for(tiny_qwen3_target, "train.max_steps=1", "train.eval_samples=0")
+    started = train(load_config(None, [*base, "train.backbone_init=target"]), "features://tiny",
+                    storage.join(memory_url, "from-target"), dataset=samples).manifest
+    assert started["config"]["train"]["backbone_init"] == "target"
+    assert started["extra"]["backbone_init"] == {"source_layers": [34, 35], "model_type": "qwen3",
+                                                 "qk_norm": "copied"}
+    default = train(load_config(None, base), "features://tiny", storage.join(memory_url, "random-init"),
+                    dataset=samples).manifest
+    assert "backbone_init" not in default["config"]["train"] and "backbone_init" not in default["extra"]
+
+
 def test_a_run_from_before_the_bias_refit_is_refused_with_the_key_that_keeps_it(
         tiny_qwen3_target, samples, memory_url):
     out = storage.join(memory_url, "earlier")

@@ -29,6 +29,7 @@ from ..console import console
 from ..errors import ConfigError, DsparkError, StageConflictError
 from ..manifest import fingerprint, prepare_stage, read_manifest
 from ..model.attention import step_mask, use_flex
+from ..model.backbone_init import init_backbone_from_target
 from ..model.card import refresh_card
 from ..model.config import DrafterConfig
 from ..model.drafter import DSparkDrafter
@@ -206,15 +207,20 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     else:
         inputs = {cache_url: fingerprint(cache_url)}
     init_gain: OutputGain | None = None
+    backbone_init: dict[str, Any] | None = None
 
     def build_drafter(resuming: bool) -> DSparkDrafter:
         """resuming: a checkpoint of this run will be loaded (its own draft vocabulary with it)."""
-        nonlocal init_gain
+        nonlocal init_gain, backbone_init
         torch.manual_seed(tc.seed)
         built = DSparkDrafter(dcfg)
         attach_frozen(built, dcfg.target_model)  # reads the target's embedding: the stage's probe
         init_gain = set_output_gain(built, tc.init_output_gain, dataset)  # a resume then loads its own
         init_markov_rows(built.markov_head, built.embed_tokens.weight, tc.markov_init)
+        if tc.backbone_init == "target":
+            backbone_init = init_backbone_from_target(built, dcfg.target_model, dataset)
+            console.print(f"  layers, fc and norms from target layers {backbone_init['source_layers']} "
+                          f"(q/k norms: {backbone_init['qk_norm']})")
         if dcfg.draft_vocab_size and not resuming:
             counts = split_token_counts(dataset, dcfg.vocab_size)
             built.draft_token_ids.copy_(choose_draft_vocab(counts, dcfg.draft_vocab_size))
@@ -267,7 +273,8 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     elif world.main:
         console.print(f"[cyan]▶[/] train: {total_steps} steps × {tc.global_batch} samples on "
                       f"{world.world_size} rank(s), {device}; writing {output_url}.")
-        console.print(f"  final-norm gain at init {describe_gain(init_gain)}")
+        if backbone_init is None:  # else the final norm is the target's (printed with the layers)
+            console.print(f"  final-norm gain at init {describe_gain(init_gain)}")
     if world.main:
         storage.clean_temporaries(output_url)  # orphans of a killed local writer
     log = MetricsLog(output_url, start_step, enabled=world.main)
@@ -369,6 +376,7 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
             extra={"drafter_config": dcfg.to_dict(), "export": export_url, "checkpoint": final,
                    "world_size": world.world_size, "final_metrics": record, "validation": held_out,
                    "init_output_gain": init_gain.to_dict() if init_gain else None,
+                   **({"backbone_init": backbone_init} if backbone_init else {}),
                    "confidence_bias": confidence_bias,
                    **({"online": dataset.report()} if online else {})},
         )
