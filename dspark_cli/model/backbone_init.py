@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..sample import Sample
@@ -60,15 +61,11 @@ def _model_type(target: str) -> str:
     return str(getattr(text_config(load_config(target)), "model_type", "") or "")
 
 
-def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
 @torch.no_grad()
 def qk_gains(features: torch.Tensor, norm: torch.Tensor, q_proj: torch.Tensor, k_proj: torch.Tensor,
              head_dim: int, eps: float) -> tuple[float, float]:
     """Mean per-head RMS of the target layer's queries and keys on features [N, d] (its input)."""
-    x = _rms(features.float(), eps) * norm.float()
+    x = F.rms_norm(features.float(), features.shape[-1:], norm.float(), eps)
     q = (x @ q_proj.float().T).unflatten(-1, (-1, head_dim))
     k = (x @ k_proj.float().T).unflatten(-1, (-1, head_dim))
     return float(q.pow(2).mean(-1).sqrt().mean()), float(k.pow(2).mean(-1).sqrt().mean())
@@ -118,26 +115,24 @@ def init_backbone_from_target(drafter: DSparkDrafter, target: str,
     _copy(drafter.norm.weight, weights["norm.weight"], "norm.weight")
     done: dict[str, Any] = {"source_layers": sources, "model_type": model_type}
     if all(n in weights for n in qk_norm_names):
-        for layer, s in zip(drafter.layers, sources, strict=True):
-            for n in ("q_norm", "k_norm"):
-                _copy(getattr(layer.self_attn, n).weight, weights[f"layers.{s}.self_attn.{n}.weight"],
-                      f"layers.{s}.self_attn.{n}.weight")
+        qk = [(weights[f"layers.{s}.self_attn.q_norm.weight"], weights[f"layers.{s}.self_attn.k_norm.weight"])
+              for s in sources]
         done["qk_norm"] = "copied"
-        if cfg.tie_k_norm:  # one shared module: layer 0's, as the last copy above would not be
-            drafter.layers[0].self_attn.k_norm.weight.copy_(weights[f"layers.{sources[0]}.self_attn.k_norm.weight"])
-        return done
-    features = _features(samples, columns)
-    if features is None:
-        raise ConfigError("train.backbone_init = \"target\" on a target without q/k norms needs cached "
-                          "features to set their gains, and the training split has none.")
-    gains = [qk_gains(features, weights[f"layers.{s}.input_layernorm.weight"],
-                      weights[f"layers.{s}.self_attn.q_proj.weight"],
-                      weights[f"layers.{s}.self_attn.k_proj.weight"], cfg.head_dim, cfg.rms_norm_eps)
-             for s in sources]
-    for layer, (q_gain, k_gain) in zip(drafter.layers, gains, strict=True):
-        layer.self_attn.q_norm.weight.fill_(q_gain)
-        layer.self_attn.k_norm.weight.fill_(k_gain)
-    if cfg.tie_k_norm:
-        drafter.layers[0].self_attn.k_norm.weight.fill_(gains[0][1])
-    done["qk_norm"] = {"q_gain": [round(q, 4) for q, _ in gains], "k_gain": [round(k, 4) for _, k in gains]}
+    else:
+        features = _features(samples, columns)
+        if features is None:
+            raise ConfigError("train.backbone_init = \"target\" on a target without q/k norms needs cached "
+                              "features to set their gains, and the training split has none.")
+        gains = [qk_gains(features, weights[f"layers.{s}.input_layernorm.weight"],
+                          weights[f"layers.{s}.self_attn.q_proj.weight"],
+                          weights[f"layers.{s}.self_attn.k_proj.weight"], cfg.head_dim, cfg.rms_norm_eps)
+                 for s in sources]
+        qk = [(torch.full((cfg.head_dim,), q), torch.full((cfg.head_dim,), k)) for q, k in gains]
+        done["qk_norm"] = {"q_gain": [round(q, 4) for q, _ in gains],
+                           "k_gain": [round(k, 4) for _, k in gains]}
+    for layer, s, (q, k) in zip(drafter.layers, sources, qk, strict=True):
+        _copy(layer.self_attn.q_norm.weight, q, f"layers.{s}.self_attn.q_norm.weight")
+        _copy(layer.self_attn.k_norm.weight, k, f"layers.{s}.self_attn.k_norm.weight")
+    if cfg.tie_k_norm:  # one module shared by every layer: layer 0's, not the last one written
+        drafter.layers[0].self_attn.k_norm.weight.copy_(qk[0][1])
     return done

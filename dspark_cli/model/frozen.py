@@ -34,9 +34,14 @@ def _weight_map(folder: Path) -> dict[str, str]:
         return {k: "model.safetensors" for k in f.keys()}
 
 
-def _weights(target: str) -> tuple[Path, dict[str, str]]:
+def _weights(target: str) -> tuple[Path, dict[str, str], str]:
+    """(folder, tensor name → shard, the embedding's name): every reader's start."""
     folder = resolve_folder(target, ("config.json", "*.json"))
-    return folder, _weight_map(folder)
+    wmap = _weight_map(folder)
+    embed_key = next((k for k in EMBED_KEYS if k in wmap), None)
+    if embed_key is None:
+        raise DsparkError(f"{folder}: no embedding tensor among {', '.join(EMBED_KEYS)}.")
+    return folder, wmap, embed_key
 
 
 def _read(target: str, folder: Path, wmap: dict[str, str], keys: list[str]) -> dict[str, torch.Tensor]:
@@ -53,11 +58,8 @@ def _read(target: str, folder: Path, wmap: dict[str, str], keys: list[str]) -> d
 
 def load_embeddings(target: str, tie_word_embeddings: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(embedding [V, d], lm_head [V, d]) read from the target's safetensors."""
-    folder, wmap = _weights(target)
-    embed_key = next((k for k in EMBED_KEYS if k in wmap), None)
+    folder, wmap, embed_key = _weights(target)
     head_key = next((k for k in LM_HEAD_KEYS if k in wmap), None)
-    if embed_key is None:
-        raise DsparkError(f"{folder}: no embedding tensor among {', '.join(EMBED_KEYS)}.")
     if head_key is None and not tie_word_embeddings:
         raise DsparkError(f"{folder}: no lm_head.weight and tie_word_embeddings is false.")
     tensors = _read(target, folder, wmap, [embed_key, *([head_key] if head_key else [])])
@@ -70,10 +72,7 @@ def read_decoder_tensors(target: str, names: list[str], optional: tuple[str, ...
     embedding sits under: `model.` for Llama/Qwen, `model.language_model.` for VLMs), e.g.
     "layers.28.self_attn.q_proj.weight" or "norm.weight". `names` must all exist; `optional` are
     returned when present."""
-    folder, wmap = _weights(target)
-    embed_key = next((k for k in EMBED_KEYS if k in wmap), None)
-    if embed_key is None:
-        raise DsparkError(f"{folder}: no embedding tensor among {', '.join(EMBED_KEYS)}.")
+    folder, wmap, embed_key = _weights(target)
     prefix = embed_key.removesuffix("embed_tokens.weight").removesuffix("wte.weight")
     missing = [prefix + n for n in names if prefix + n not in wmap]
     if missing:

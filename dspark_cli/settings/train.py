@@ -95,7 +95,8 @@ class TrainSettings(Section):
     #: the target layers after the deepest captured one, fc the identity on that layer's features,
     #: norms (and q/k norm gains) from the target, so the context keys/values of the first layer
     #: start as the target's own (model/backbone_init.py). On SmolLM2 (the demo's cache, 111 steps)
-    #: validation τ 1.427 -> 1.489 (docs/train.md). Llama/Mistral/Qwen2/Qwen3 targets.
+    #: validation τ 1.427 -> 1.486; no held-out gain by the demo's 444 steps (docs/train.md).
+    #: Llama/Mistral/Qwen2/Qwen3 targets.
     backbone_init: str = "random"
     #: Fraction of the peak lr the cosine decays to.
     min_lr_ratio: float = 0.1
