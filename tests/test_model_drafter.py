@@ -331,3 +331,42 @@ def test_vocab_logits_are_the_linear_layer_s_for_every_row_count(dtype):
         got, want = vocab_logits(hidden, weight), F.linear(hidden, weight)
         assert got.shape == want.shape == (rows, 1000) and got.dtype == want.dtype
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("draft_vocab", [None, 96])
+def test_a_prepacked_drafter_drafts_from_a_packed_copy_of_its_draft_head(tiny_qwen3_target, samples,
+                                                                       draft_vocab):
+    """Eval prepacks the drafter (`prepack_linears`); its draft head (the whole lm_head, or the
+    reduced vocabulary's rows) is then multiplied packed, with the plain drafter's numbers."""
+    from dspark_cli.target.prepack import pack_weight, prepack_linears
+
+    drafter = build(tiny_qwen3_target, **({"draft_vocab_size": draft_vocab} if draft_vocab else {}))
+    if draft_vocab:
+        drafter.draft_token_ids = torch.arange(0, 2 * draft_vocab, 2)  # a sorted subset of the rows
+    sample = samples[1]
+    anchor = int(torch.nonzero(sample.loss_mask)[0]) + 3
+    context, token = sample.hidden_states[:anchor], int(sample.input_ids[anchor])
+
+    def block():
+        with torch.no_grad():
+            return drafter.draft_block(context, token, anchor, 1.0, torch.Generator().manual_seed(3), top_k=8)
+
+    plain = block()
+    assert prepack_linears(drafter) > 0
+    packed = block()
+    assert torch.equal(packed.tokens, plain.tokens)
+    torch.testing.assert_close(packed.probs, plain.probs, atol=1e-5, rtol=1e-5)
+    hidden = torch.randn(5, drafter.config.hidden_size)
+    with torch.no_grad():
+        torch.testing.assert_close(drafter.draft_logits(hidden), hidden @ drafter.draft_head().t())
+        zeros = pack_weight(torch.zeros_like(drafter.draft_head()))
+        if draft_vocab:  # the packed copy is what the product reads
+            key, weight, _ = drafter._draft_head
+            drafter._draft_head = (key, weight, zeros)
+        else:
+            drafter.lm_head.packed_weight = zeros
+        assert drafter.draft_logits(hidden).abs().max() == 0
+    assert not torch.allclose(block().probs, plain.probs, atol=1e-3)  # and what draft() reads
+    hidden.requires_grad_(True)  # a product that needs a gradient stays on the plain path
+    drafter.draft_logits(hidden).sum().backward()
+    assert hidden.grad is not None and hidden.grad.abs().max() > 0

@@ -43,6 +43,17 @@ def packs_dtype(dtype: torch.dtype) -> bool:
     return True
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A oneDNN-packed copy of a frozen [out, in] weight, for `packed_linear` (callers check
+    `packs_dtype` first)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` by `pack_weight(weight)`; forward only (no autograd)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
 class PackedLinear(torch.nn.Linear):
     """An nn.Linear that multiplies by a oneDNN-packed copy of its frozen weight.
 
@@ -55,8 +66,7 @@ class PackedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias,
-                                                  "none", [], "")
+        return packed_linear(x, self.packed_weight, self.bias)
 
 
 def prepack_supported(model: Any) -> bool:
@@ -98,6 +108,6 @@ def prepack_linears(model: torch.nn.Module, memory: int | None = None) -> int:
     if memory is not None and needed > memory // 2:
         return 0
     for module in linears:
-        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), None)
+        module.packed_weight = pack_weight(module.weight)
         module.__class__ = PackedLinear
     return len(linears)
