@@ -37,6 +37,7 @@ from benchmarks.common import (
     DFLASH_CFG,
     DSPARK_CFG,
     REPO,
+    WHOLE_BLOCK,
     add_stage_options,
     config,
     dspark,
@@ -102,7 +103,8 @@ def run_variant(args: argparse.Namespace, cfg: PipelineConfig, name: str, spec: 
         dspark("eval", "-c", path, *shared, "--drafter", str(vroot / f"train-{drafter}"), *datasets,
                "--limit", str(args.limit), "--temperature", "1.0",
                "--max-new-tokens", str(args.max_new_tokens), "-o", str(vroot / f"eval-{drafter}"),
-               "--set", "eval.baseline=false", "--set", "eval.calibration=", *layers, *args.set_flags)
+               "--set", "eval.baseline=false", "--set", "eval.calibration=", *WHOLE_BLOCK, *layers,
+               *args.set_flags)
         timings[f"eval_{drafter}"] = time.time() - t
     return timings
 

@@ -31,6 +31,7 @@ from benchmarks.common import (
     DFLASH_CFG,
     DSPARK_CFG,
     REPO,
+    WHOLE_BLOCK,
     add_stage_options,
     config,
     dspark,
@@ -81,11 +82,6 @@ CURVE_EVERY = 148
 OWN_TRAIN = ("--set", "train.markov_lr_scale=1", "--set", f"train.save_every={CURVE_EVERY}",
              "--set", "train.keep_last=64", "--set", "model.draft_vocab_size=0")
 OWN_CALIBRATE = ("--set", "calibrate.max_new_tokens=256")
-#: Both drafters verify their whole block: τ is then what each drafter proposes well, the paper's
-#: Table 1 quantity. The demo's threshold schedule (a speed trade: it stops verifying where the
-#: calibrated survival is low) would cut DSpark's τ and not DFlash's (no confidence head); on the
-#: 740-step drafters of 2026-12-07 it read DSpark τ 1.59 / 1.57 / 1.27 where fixed reads higher.
-OWN_EVAL = ("--set", "eval.schedule=fixed")
 
 
 def run_stages(args: argparse.Namespace, cfg: PipelineConfig) -> dict[str, float]:
@@ -119,7 +115,7 @@ def run_stages(args: argparse.Namespace, cfg: PipelineConfig) -> dict[str, float
         timed(f"eval_{name}", "eval", "-c", path, *shared, "--drafter", str(train_dir(cfg, name)),
               *datasets, "--limit", str(args.limit), "--temperature", "1.0",
               "--max-new-tokens", str(args.max_new_tokens), "-o", str(eval_dir(cfg, name)),
-              *OWN_EVAL, *extra, *args.set_flags)
+              *WHOLE_BLOCK, *extra, *args.set_flags)
     return timings
 
 
