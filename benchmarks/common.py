@@ -32,11 +32,15 @@ WHOLE_BLOCK = ("--set", "eval.schedule=fixed")
 
 
 def dspark(*args: str) -> None:
-    """One CLI stage; its manifest decides whether there is anything to do."""
+    """One CLI stage; its manifest decides whether there is anything to do. A stage that fails has
+    printed its own one-line error: the benchmark stops with its exit code, not a traceback."""
     cmd = [sys.executable, "-m", "dspark_cli.cli", *args]
     print(f"\n$ dspark {' '.join(args)}", flush=True)
     started = time.time()
-    subprocess.run(cmd, cwd=REPO, check=True)
+    code = subprocess.run(cmd, cwd=REPO).returncode
+    if code:
+        print(f"benchmark stopped: `dspark {args[0]}` exited {code} (its error is above).", file=sys.stderr)
+        raise SystemExit(code)
     print(f"  ({time.time() - started:.0f}s)", flush=True)
 
 
