@@ -45,6 +45,7 @@ from benchmarks.common import (
     fmt,
     macro,
     output,
+    run_benchmark,
     run_shared_stages,
     stage_environment,
 )
@@ -208,4 +209,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_benchmark(main)

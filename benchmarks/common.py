@@ -13,9 +13,11 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dspark_cli.config import PipelineConfig, load_config
+from dspark_cli.errors import DsparkError
 from dspark_cli.pipeline import run_stage, stage_output
 
 REPO = Path(__file__).resolve().parent.parent
@@ -98,3 +100,12 @@ def stage_environment(args: argparse.Namespace) -> None:
     args.set_flags = [a for s in args.sets for a in ("--set", s)]
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+def run_benchmark(main: Callable[[], None]) -> None:
+    """Run a benchmark's main as the CLI runs a stage: a user's mistake (a bad --set, a missing
+    file) is one `error:` line and exit 2, not a traceback."""
+    try:
+        main()
+    except DsparkError as e:
+        print(f"error: {e}" + (f"\nhint: {e.hint}" if e.hint else ""), file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
