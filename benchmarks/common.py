@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from dspark_cli.cli import exit_with_error
 from dspark_cli.config import PipelineConfig, load_config
-from dspark_cli.errors import DsparkError
+from dspark_cli.errors import environment_error
 from dspark_cli.pipeline import run_stage, stage_output
 
 REPO = Path(__file__).resolve().parent.parent
@@ -101,11 +102,14 @@ def stage_environment(args: argparse.Namespace) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+
 def run_benchmark(main: Callable[[], None]) -> None:
-    """Run a benchmark's main as the CLI runs a stage: a user's mistake (a bad --set, a missing
-    file) is one `error:` line and exit 2, not a traceback."""
+    """Run a benchmark's main as the CLI runs a command: a user's mistake (a bad --set, a missing
+    file) is the CLI's one `error:` line and exit 2, not a traceback."""
     try:
         main()
-    except DsparkError as e:
-        print(f"error: {e}" + (f"\nhint: {e.hint}" if e.hint else ""), file=sys.stderr)
-        raise SystemExit(e.exit_code) from None
+    except Exception as e:
+        mapped = environment_error(e)
+        if mapped is None:
+            raise
+        exit_with_error(mapped, e)

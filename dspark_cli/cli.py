@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(code, int) and code:  # a command's typer.Exit(n): click returns n here
             sys.exit(code)
     except DsparkError as e:
-        _fail(e)
+        exit_with_error(e)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         mapped = environment_error(e)
         if mapped is None:
             raise
-        _fail(mapped, e)
+        exit_with_error(mapped, e)
 
 
 def _interrupted() -> None:
@@ -91,7 +91,7 @@ def _interrupted() -> None:
     sys.exit(130)
 
 
-def _fail(e: DsparkError, cause: BaseException | None = None) -> None:
+def exit_with_error(e: DsparkError, cause: BaseException | None = None) -> None:
     """Print the one `error:` line (+ hint), secrets removed, and exit; DSPARK_DEBUG=1 re-raises."""
     if os.environ.get("DSPARK_DEBUG"):
         raise cause or e
