@@ -248,3 +248,64 @@ def test_a_reduced_vocabulary_scores_the_draft_as_zero_outside_it(tiny_qwen3_tar
         _, stats = DrafterLoss(drafter, LossWeights(), chunk_blocks=3)(batch, dense_mask(batch.layout))
     assert torch.allclose(stats["tv"], (w * tv).sum() / w.sum(), atol=1e-5)
     assert torch.allclose(stats["ce"], (w * torch.where(inside, ce, 0.0)).sum() / w.sum(), atol=1e-4)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_a_reduced_vocabulary_takes_known_target_normalisers_from_the_table(tiny_qwen3_target, batch, bf16):
+    """After one step every state's log-normaliser is in the workspace's table: the next step gives
+    the same loss, statistics and gradients without the target head's other rows (corrupted here,
+    they would change TV), and a changed head empties the table."""
+    drafter = reduced_drafter(tiny_qwen3_target, "vanilla", True, batch)
+    weights = LossWeights()
+    module = DrafterLoss(drafter, weights, chunk_blocks=3, fast_kernels=True)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else torch.autocast("cpu", enabled=False)
+
+    def step():
+        drafter.zero_grad(set_to_none=True)
+        with ctx:
+            loss, stats = module(batch, dense_mask(batch.layout))
+        loss.backward()
+        grads = {k: p.grad.clone() for k, p in drafter.named_parameters() if p.grad is not None}
+        return float(loss.detach()), stats, grads
+
+    loss, stats, grads = step()
+    distinct = torch.unique(batch.target_hidden.reshape(-1, batch.target_hidden.shape[-1]), dim=0).shape[0]
+    assert len(module.workspace.norms) == distinct
+    target = next(p for key, (_, p) in module.workspace._heads.items() if key == "target")
+    outside = torch.ones(target.vocab, dtype=torch.bool)
+    outside[drafter.draft_token_ids] = False
+    copies = [target.cols.t()]  # the packed copies only (fp32 rows are the weight itself)
+    if target.rows.data_ptr() != drafter.lm_head.weight.data_ptr():
+        copies.append(target.rows)
+    with torch.no_grad():
+        for packed in copies:
+            packed[outside] += 3.0  # every normaliser computed from here on would be wrong
+    again, stats_again, grads_again = step()
+    tol = 1e-2 if bf16 else 1e-5
+    assert abs(again - loss) <= tol * abs(loss)
+    for k in ("ce", "tv", "conf_bce", "slot_accept_sum", "slot_survive_sum"):
+        assert torch.allclose(stats_again[k], stats[k], rtol=tol, atol=tol), k
+    for k, ref in grads.items():
+        assert float((grads_again[k] - ref).norm()) <= (5e-2 if bf16 else 1e-4) * float(ref.norm()) + 1e-7, k
+    with torch.no_grad():  # a new version of the head: the table is emptied and filled anew
+        drafter.lm_head.weight[outside] += 3.0
+    shifted, stats_shifted, _ = step()
+    assert len(module.workspace.norms) == distinct
+    assert float(stats_shifted["tv"]) > float(stats["tv"]) + 0.05  # the shifted head's mass outside
+
+
+def test_teacher_norms_match_states_by_their_exact_bits():
+    from dspark_cli.train.teacher_norms import TeacherNorms
+
+    norms = TeacherNorms(max_entries=3).for_head("head")
+    states = torch.randn(4, 8).to(torch.bfloat16)
+    keys, checks = norms.keys(states)
+    norms.store(keys, checks, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert len(norms) == 3  # full: the fourth is not kept
+    lse, known = norms.lookup(*norms.keys(states))
+    assert known.tolist() == [True, True, True, False] and lse[:3].tolist() == [1.0, 2.0, 3.0]
+    flipped = states.clone()
+    flipped.view(torch.int16)[0, 0] ^= 1  # one bit
+    assert norms.lookup(*norms.keys(flipped))[1].tolist() == [False, True, True, False]
+    assert not norms.lookup(keys[:1], [checks[0] + 1])[1].item()  # same hash, another check: a collision
+    assert len(norms.for_head("head")) == 3 and len(norms.for_head("another head")) == 0

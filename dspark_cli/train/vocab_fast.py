@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from .teacher_norms import TeacherNorms
 from .vocab_kernel import VocabKernel
 
 _F32 = torch.float32
@@ -83,6 +84,8 @@ class VocabWorkspace:
         self._heads: dict[str, tuple[tuple, Packed]] = {}
         self._markov: Packed | None = None
         self._buffers: dict[str, torch.Tensor] = {}
+        #: Log-normalisers of the target's distribution by cached state (a reduced draft vocabulary).
+        self.norms = TeacherNorms()
 
     def head(self, lm_head: torch.Tensor, dtype: torch.dtype, name: str = "head") -> Packed:
         """A frozen head packed in the matmul dtype; rebuilt only when the weight changes. `name`
@@ -157,6 +160,37 @@ def _softmax_(x: torch.Tensor) -> torch.Tensor:
     return x.div_(x.sum(-1, keepdim=True))
 
 
+def _draft_target_probs(ws: VocabWorkspace, target: Packed, head: Packed, draft_ids: torch.Tensor,
+                        states: torch.Tensor, reserve: int) -> torch.Tensor:
+    """p_t of the distinct states [S, d] on the draft's N columns → [S, N] (float32, a reused buffer).
+
+    A state whose log-normaliser is known (`teacher_norms`) needs the N draft rows of the head
+    only: exp(logits_N − lse). The others take the whole [s, V] product once, as before, and
+    leave their normaliser for the next time they come.
+    """
+    S, device, cdt = states.shape[0], states.device, head.dtype
+    norms = ws.norms.for_head(target)
+    keys, checks = norms.keys(states)
+    lse, known = norms.lookup(keys, checks)
+    q = ws.buffer("q_draft", S, head.vocab, _F32, device, reserve_rows=reserve)
+    fresh = (~known).nonzero().squeeze(-1).tolist()
+    if fresh:
+        rows = states[fresh].to(cdt)
+        full = ws.buffer("q", len(fresh), target.vocab, _F32, device, reserve_rows=reserve)
+        ws.mm_into(full, rows, target.forward_operand())
+        top = full.amax(-1, keepdim=True)
+        full.sub_(top).exp_()
+        total = full.sum(-1, keepdim=True)
+        q[fresh] = torch.index_select(full, 1, draft_ids).div_(total)
+        norms.store([keys[i] for i in fresh], [checks[i] for i in fresh], (top + total.log()).squeeze(-1))
+    seen = known.nonzero().squeeze(-1).tolist()
+    if seen:
+        part = ws.buffer("q_seen", len(seen), head.vocab, _F32, device, reserve_rows=reserve)
+        ws.mm_into(part, states[seen].to(cdt), head.forward_operand())
+        q[seen] = part.sub_(lse[seen, None].to(device)).exp_()
+    return q
+
+
 def fast_vocab_terms(ws: VocabWorkspace, head: Packed, w2: Packed | None,
                      hidden: torch.Tensor, z: torch.Tensor | None, z_index: torch.Tensor | None,
                      target_hidden: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
@@ -208,15 +242,14 @@ def fast_vocab_terms(ws: VocabWorkspace, head: Packed, w2: Packed | None,
     p.div_(total)
     ce = (top + total.log() - picked).squeeze(-1)  # −log p[y]
     states, state_index = torch.unique(target_hidden.reshape(rows, -1), dim=0, return_inverse=True)
-    full = target or head
-    q = ws.buffer("q", states.shape[0], full.vocab, _F32, device, reserve_rows=rows)
-    ws.mm_into(q, states.to(cdt), full.forward_operand())
-    _softmax_(q)
     outside = None
     if reduced:  # the draft's columns of p_t, and the mass it can never propose
-        q = torch.index_select(q, 1, draft_ids, out=ws.buffer("q_draft", states.shape[0], vocab, _F32, device,
-                                                             reserve_rows=rows))
+        q = _draft_target_probs(ws, target, head, draft_ids, states, rows)
         outside = (1.0 - q.sum(-1)).clamp_min_(0.0)[state_index]
+    else:
+        q = ws.buffer("q", states.shape[0], vocab, _F32, device, reserve_rows=rows)
+        ws.mm_into(q, states.to(cdt), head.forward_operand())
+        _softmax_(q)
     diff = _gather_rows(q, state_index, ws.buffer("s", rows, vocab, _F32, device))
     torch.sub(p, diff, out=diff)  # p − q
     tv = torch.linalg.vector_norm(diff, ord=1, dim=-1)
