@@ -9,12 +9,13 @@ demo's target and drafter, whether the loop beats the target alone, and the pape
 Per dataset it prints t₁…t₈ (one target step over n tokens), t_draft split into backbone + lm_head
 + top-k and the sequential head loop (and the new context rows), t_verify, c = t_draft / t_verify,
 the time outside both, τ, speculative and target-only tokens/s, the speed-up and the one the cost
-model predicts, τ·t₁ / (t_draft + t_verify) — with t₁ the target-only loop's seconds per token on
-the same prompts (and, for reference, with the micro benchmark's t₁); then one line per dataset for
-scripts. It decodes with the demo's `[eval]` schedule (`--schedule`, `--threshold`), so its
-speed-up compares with the demo's report. The prediction leaves the speculative side's prefill out
-of the round while the baseline's t₁ includes its own, so it reads high when few tokens follow a
-prompt (docs/benchmarks.md#make-bench-decode):
+model predicts, τ·t₁ / (t_draft + t_verify + t_prefill) — with t₁ the target-only loop's seconds per
+token on the same prompts and t_prefill the speculative side's prompt prefills per round: t₁
+includes the baseline's own prefill, so the round is charged its own (without it the prediction
+read 9-11% high on 4 × 64 tokens; docs/benchmarks.md#make-bench-decode). The prediction with the
+micro benchmark's t₁ is printed for reference. Then one line per dataset for scripts. It decodes
+with the demo's `[eval]` schedule (`--schedule`, `--threshold`), so its speed-up compares with the
+demo's report:
 
     bench-decode gsm8k tau=1.25 c=0.21 speedup=1.02 predicted=1.03
 
@@ -49,7 +50,6 @@ from dspark_cli.target.prepack import prepack_linears
 DEMO = "runs/smollm2-135m-dspark"
 #: What the demo's eval decodes with, so the decoding table compares with its report.
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "pipelines" / "smollm2-135m.toml"
-DEMO_EVAL = load_config(str(DEMO_CONFIG), []).eval
 DATASETS = ["dspark_cli/resources/demo_eval_gsm8k.jsonl", "dspark_cli/resources/demo_eval_humaneval.jsonl"]
 
 
@@ -126,7 +126,7 @@ def round_costs(stats) -> dict[str, float]:
     return {"rounds": len(stats.batches), "tau": sum(b.emitted for b in stats.batches) / rounds,
             "draft_backbone": ph["draft_backbone"], "draft_heads": ph["draft_heads"],
             "draft_context": ph["draft_context"], "t_draft": ph["draft"], "t_verify": ph["verify"],
-            "outside": ph["outside"], "prefill_s": stats.phases.get("prefill", 0),
+            "outside": ph["outside"], "t_prefill": ph["prefill"], "prefill_s": stats.phases.get("prefill", 0),
             "tokens_per_second": stats.new_tokens / stats.seconds}
 
 
@@ -155,10 +155,12 @@ def bench_datasets(args, model, tok, drafter, temps, t1: float) -> list[dict]:
             cost["target_only_tokens_per_second"] = base.new_tokens / base.seconds
             cost["speedup"] = cost["tokens_per_second"] / cost["target_only_tokens_per_second"]
             cost["c"] = cost["t_draft"] / cost["t_verify"]
-            # t₁ as the target-only loop paid it on these prompts (its contexts grow past the micro
-            # benchmark's prompt): the prediction then misses only the overhead outside both passes.
+            # t₁ as the target-only loop paid it on these prompts, its prefills included (its
+            # contexts grow past the micro benchmark's prompt); the round pays its own prefills, so
+            # the prediction misses only the overhead outside the timed phases.
             cost["t1_loop"] = base.seconds / base.new_tokens
-            cost["predicted"] = cost["tau"] * cost["t1_loop"] / (cost["t_draft"] + cost["t_verify"])
+            round_seconds = cost["t_draft"] + cost["t_verify"] + cost["t_prefill"]
+            cost["predicted"] = cost["tau"] * cost["t1_loop"] / round_seconds
             cost["predicted_micro_t1"] = cost["tau"] * t1 / (cost["t_draft"] + cost["t_verify"])
             cost["verify_over_t1"] = cost["t_verify"] / cost["t1_loop"]
             runs.append(cost)
@@ -173,7 +175,7 @@ def print_datasets(results: list[dict], t: dict[int, float]) -> None:
     print("\n## per dataset (means over rounds; runs separated by /)")
     cols = ["t₁ ms", "t₂", "t₄", "t₈", "t₁ in loop", "t_verify / t₁ in loop",
             "draft backbone+lm_head ms", "draft head loop", "draft context",
-            "t_draft", "t_verify", "c", "outside", "τ", "spec tok/s", "target tok/s", "speed-up",
+            "t_draft", "t_verify", "c", "t_prefill", "outside", "τ", "spec tok/s", "target tok/s", "speed-up",
             "predicted", "predicted (micro t₁)"]
     print("| dataset | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
@@ -185,7 +187,7 @@ def print_datasets(results: list[dict], t: dict[int, float]) -> None:
                  all_runs("verify_over_t1", "{:.2f}".format),
                  all_runs("draft_backbone", ms), all_runs("draft_heads", ms), all_runs("draft_context", ms),
                  all_runs("t_draft", ms), all_runs("t_verify", ms), all_runs("c", "{:.2f}".format),
-                 all_runs("outside", ms), all_runs("tau", "{:.2f}".format),
+                 all_runs("t_prefill", ms), all_runs("outside", ms), all_runs("tau", "{:.2f}".format),
                  all_runs("tokens_per_second", "{:.1f}".format),
                  all_runs("target_only_tokens_per_second", "{:.1f}".format),
                  all_runs("speedup", "{:.2f}".format), all_runs("predicted", "{:.2f}".format),
@@ -233,6 +235,7 @@ def bench_figure8(args, model, tok, drafter, temps) -> dict:
 
 
 def main() -> None:
+    demo_eval = load_config(str(DEMO_CONFIG), []).eval  # the schedule the demo's report decodes with
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="runs/models/smollm2-135m-instruct")
     ap.add_argument("--drafter", default=f"{DEMO}/train")
@@ -250,9 +253,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-prepack", dest="prepack", action="store_false",
                     help="the target's plain linears ([target] prepack = false), for comparison")
-    ap.add_argument("--schedule", default=DEMO_EVAL.schedule, choices=POLICIES,
+    ap.add_argument("--schedule", default=demo_eval.schedule, choices=POLICIES,
                     help="the decoding table's schedule (default: the demo's [eval] schedule)")
-    ap.add_argument("--threshold", type=float, default=DEMO_EVAL.threshold,
+    ap.add_argument("--threshold", type=float, default=demo_eval.threshold,
                     help="the threshold schedule's cut (default: the demo's)")
     ap.add_argument("--figure8-r", default="1,4,8,16")
     ap.add_argument("--figure8-limit", type=int, default=16)
