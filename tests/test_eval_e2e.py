@@ -196,6 +196,49 @@ def test_calibrate_then_eval_with_calibration_sps_and_scheduler(trained, tiny_qw
         run_eval(cfg, str(tiny_qwen3_target), train_url, memory_url + "/eval-bad")
 
 
+def test_calibrate_concurrency_batches_the_same_rounds(models, trained, tiny_qwen3_target, memory_url):
+    """calibrate.concurrency only batches: greedily, every conversation's rounds (acceptances and
+    confidences) are those decoded one at a time; at 1 the key stays out of the stage config, so a
+    run made before it existed still resumes and is still reused."""
+    from dspark_cli.decode.stages import calibration_rounds
+
+    model, tokenizer, drafter = models
+    out_dir, train_url = trained
+
+    def per_conversation(concurrency: int) -> dict[str, tuple[list[int], list[list[float]]]]:
+        cfg = _cfg(tiny_qwen3_target, out_dir, "calibrate.temperature=0", "calibrate.max_new_tokens=20",
+                   f"calibrate.concurrency={concurrency}")
+        rows: list[int] = []
+        embed = model.get_input_embeddings()
+        hook = embed.register_forward_hook(lambda _m, ids, _o: rows.append(len(ids[0])))
+        try:
+            rec = calibration_rounds(cfg, model, tokenizer, drafter, CONVS)
+        finally:
+            hook.remove()
+        assert max(rows) == concurrency  # the target's rounds really were batched
+        return {g: (rec.accepted[rec.groups == g].tolist(), rec.confidences[rec.groups == g].tolist())
+                for g in sorted(set(rec.groups))}
+
+    alone, batched = per_conversation(1), per_conversation(3)
+    assert sorted(alone) == sorted(batched) == ["a", "b", "c"]
+    for conv in alone:
+        assert batched[conv][0] == alone[conv][0]
+        assert torch.allclose(torch.tensor(batched[conv][1]), torch.tensor(alone[conv][1]), atol=1e-4)
+    assert sum(sum(acc) for acc, _ in alone.values()) > 0
+
+    for concurrency in (1, 2):
+        cfg = _cfg(tiny_qwen3_target, out_dir, "calibrate.num_prompts=2", "calibrate.max_new_tokens=8",
+                   "calibrate.t_steps=10", "calibrate.min_prefixes=1", f"calibrate.concurrency={concurrency}")
+        url = f"{memory_url}/cal-r{concurrency}"
+        run_calibrate(cfg, str(tiny_qwen3_target), train_url, _held_out(out_dir), url)
+        recorded = manifest.read_manifest(url)["config"]["calibrate"]
+        assert recorded.get("concurrency") == (None if concurrency == 1 else 2)
+
+
+def _held_out(folder: Path) -> str:
+    return _jsonl(folder / "held-2.jsonl", [["Explain step by step."], ["The quick brown fox"]])
+
+
 def test_eval_killed_midway_resumes_from_committed_datasets(trained, tiny_qwen3_target, tmp_path):
     out_dir, train_url = trained
     first = _jsonl(tmp_path / "first.jsonl", [["Hello!"]])

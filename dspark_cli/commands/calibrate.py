@@ -1,7 +1,7 @@
 """`dspark calibrate`: Sequential Temperature Scaling of the drafter's confidence head.
 
     dspark calibrate --target runs/x/target --drafter runs/x/train --dataset runs/x/prompts
-    dspark calibrate … --dataset held_out.jsonl --num-prompts 64 --max-new-tokens 128
+    dspark calibrate … --dataset held_out.jsonl --num-prompts 64 --max-new-tokens 128 --concurrency 8
 
 Writes calibration.json (the STS file serving engines load) and reliability.png.
 """
@@ -32,13 +32,15 @@ def calibrate_cmd(
     num_prompts: Annotated[int | None, typer.Option(help="Held-out conversations decoded.")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(help="Tokens generated per turn at most.")] = None,
     temperature: Annotated[float | None, typer.Option(help="Sampling temperature while recording.")] = None,
+    concurrency: Annotated[int | None, typer.Option(
+        help="Held-out conversations decoded together in one batched round.")] = None,
 ) -> None:
     """Record confidences and acceptance on held-out prompts; fit T_1..T_γ left to right."""
     from ..decode.stages import run_calibrate
 
     cfg = load(config, set_, target={"model": target, "device": device}, calibrate={
         "dataset": dataset, "drafter": drafter, "num_prompts": num_prompts, "max_new_tokens": max_new_tokens,
-        "temperature": temperature})
+        "temperature": temperature, "concurrency": concurrency})
     output = output or cfg.stage_url("calibration")
     drafter_url = cfg.calibrate.drafter or cfg.stage_url("train")
     dataset_url = cfg.calibrate.dataset or cfg.stage_url("prompts")

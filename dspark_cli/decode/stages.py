@@ -17,6 +17,7 @@ from ..config import PipelineConfig
 from ..console import console
 from ..errors import DsparkError, StageFailed
 from ..schemas import validate
+from ..settings.calibrate import CalibrateSettings
 from ..stage import StageResult, already_done, completed
 from ..target import identity
 from ..target.layers import agree_layers
@@ -181,7 +182,15 @@ def calibration_rounds(cfg: PipelineConfig, model: Any, tokenizer: Any, drafter:
     decoder = SpeculativeDecoder(model, tokenizer, drafter, Scheduler("fixed", drafter.block_size),
                                  temperature=cal.temperature, max_new_tokens=cal.max_new_tokens,
                                  thinking=cal.thinking, seed=cal.seed)
-    return records(decoder.run(convs, 1))
+    return records(decoder.run(convs, cal.concurrency))
+
+
+def _calibrate_config(cal: CalibrateSettings) -> dict[str, Any]:
+    """The stage config: concurrency 1 left out, so a run made before that key still resumes."""
+    config = cal.to_dict()
+    if config["concurrency"] == 1:
+        del config["concurrency"]
+    return config
 
 
 def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_url: str, output_url: str,
@@ -196,7 +205,7 @@ def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_ur
     convs = load_conversations(dataset_url, cal.num_prompts, split)
     inputs = {drafter_url: manifest.fingerprint(drafter_url), dataset_url: manifest.fingerprint(dataset_url),
               target: _target_input(cfg, target, output_url)}
-    config = {"calibrate": cal.to_dict(), "target": {"dtype": cfg.target.dtype}}
+    config = {"calibrate": _calibrate_config(cal), "target": {"dtype": cfg.target.dtype}}
     run = manifest.prepare_stage("calibrate", output_url, config, inputs, force)
     if run.state == "done":
         return already_done(run, lambda found: calibration_summary(output_url, found))

@@ -20,6 +20,10 @@ class CalibrateSettings(Section):
     #: Held-out conversations decoded.
     num_prompts: int = 64
     max_new_tokens: int = 128
+    #: Held-out conversations decoded together, one batched round for all of them. A round's
+    #: confidences and acceptances do not depend on its batch-mates, so this changes the time, not
+    #: what STS is fitted on (1 = one at a time, as runs made before this key decoded).
+    concurrency: int = 1
     temperature: float = 1.0
     thinking: bool = False
     #: Temperature grid searched per position (geometric, 1.0 included).
@@ -38,6 +42,8 @@ class CalibrateSettings(Section):
             self.fail("num_prompts", f"must be > 0, got {self.num_prompts}.")
         if self.max_new_tokens <= 0:
             self.fail("max_new_tokens", f"must be > 0, got {self.max_new_tokens}.")
+        if self.concurrency <= 0:
+            self.fail("concurrency", f"must be > 0, got {self.concurrency}.")
         if self.temperature < 0:
             self.fail("temperature", f"must be >= 0, got {self.temperature}.")
         if not 0 < self.t_min < self.t_max:
