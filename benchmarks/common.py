@@ -70,10 +70,16 @@ def run_shared_stages(path: str, work: Path, sets: list[str], timings: dict[str,
 
 
 def eval_sets(cfg: PipelineConfig, args: argparse.Namespace) -> list[str]:
-    """The config's own eval sets (+ MT-Bench from ../shared/eval_datasets when present)."""
+    """The config's own eval sets (+ MT-Bench from ../shared/eval_datasets when present); its
+    absence is said, since the macro average then covers fewer datasets than the goal's."""
     paths = list(cfg.eval.datasets)
-    if MT_BENCH.is_file() and not args.no_mt_bench:
-        paths.append(str(MT_BENCH))
+    if args.no_mt_bench:
+        return paths
+    if MT_BENCH.is_file():
+        return [*paths, str(MT_BENCH)]
+    print(f"bench: {MT_BENCH} not found: MT-Bench left out, the macro average covers "
+          f"{len(paths)} datasets (link a shared/ folder beside the checkout, or pass --no-mt-bench).",
+          file=sys.stderr)
     return paths
 
 
