@@ -17,7 +17,6 @@ from ..config import PipelineConfig
 from ..console import console
 from ..errors import DsparkError, StageFailed
 from ..schemas import validate
-from ..settings.calibrate import CalibrateSettings
 from ..stage import StageResult, already_done, completed
 from ..target import identity
 from ..target.layers import agree_layers
@@ -185,14 +184,6 @@ def calibration_rounds(cfg: PipelineConfig, model: Any, tokenizer: Any, drafter:
     return records(decoder.run(convs, cal.concurrency))
 
 
-def _calibrate_config(cal: CalibrateSettings) -> dict[str, Any]:
-    """The stage config: concurrency 1 left out, so a run made before that key still resumes."""
-    config = cal.to_dict()
-    if config["concurrency"] == 1:
-        del config["concurrency"]
-    return config
-
-
 def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_url: str, output_url: str,
                   force: bool = False) -> StageResult:
     """Decode held-out prompts with full verification, fit STS, write calibration.json + plot.
@@ -205,7 +196,7 @@ def run_calibrate(cfg: PipelineConfig, target: str, drafter_url: str, dataset_ur
     convs = load_conversations(dataset_url, cal.num_prompts, split)
     inputs = {drafter_url: manifest.fingerprint(drafter_url), dataset_url: manifest.fingerprint(dataset_url),
               target: _target_input(cfg, target, output_url)}
-    config = {"calibrate": _calibrate_config(cal), "target": {"dtype": cfg.target.dtype}}
+    config = {"calibrate": cal.stage_dict(), "target": {"dtype": cfg.target.dtype}}
     run = manifest.prepare_stage("calibrate", output_url, config, inputs, force)
     if run.state == "done":
         return already_done(run, lambda found: calibration_summary(output_url, found))

@@ -25,6 +25,10 @@ class Section:
     #: Keys that name input files, with their kind (`paths.resolve`): a config file's relative
     #: paths resolve against its folder, `package://` against the installed package.
     input_paths: ClassVar[dict[str, str]] = {}
+    #: Keys added after a release, with the value that reproduces it: a stage's recorded config
+    #: leaves them out at that value (`stage_dict`), so a run of that release still resumes and is
+    #: still reused.
+    earlier_behaviour: ClassVar[dict[str, Any]] = {}
 
     def validate(self) -> None:
         """Range checks; raise ConfigError naming the key."""
@@ -34,6 +38,11 @@ class Section:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def stage_dict(self) -> dict[str, Any]:
+        """`to_dict` without the keys still at their `earlier_behaviour` value."""
+        earlier = self.earlier_behaviour
+        return {k: v for k, v in self.to_dict().items() if k not in earlier or v != earlier[k]}
 
     @classmethod
     def from_dict(cls: type[S], data: dict[str, Any]) -> S:

@@ -11,6 +11,7 @@ from .base import Section
 class CalibrateSettings(Section):
     name = "calibrate"
     input_paths = {"dataset": "path", "drafter": "path"}
+    earlier_behaviour = {"concurrency": 1}
     #: Held-out prompts: a prompt/response artifact ("" = pipeline.work_dir/prompts) or a JSONL file.
     dataset: str = ""
     #: Split of an artifact dataset; calibration must use data the drafter did not train on.

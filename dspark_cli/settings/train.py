@@ -29,6 +29,7 @@ MARKOV_HEAD_KEYS = ("markov_lr_scale", "markov_init")
 @dataclass
 class TrainSettings(Section):
     name = "train"
+    earlier_behaviour = EARLIER_BEHAVIOUR
     #: Where the target's features come from: "cache" (`dspark cache build`'s output) or "online"
     #: (the target runs in the training loop over the regenerated responses; no cache is built).
     source: str = "cache"

@@ -178,10 +178,7 @@ def train(cfg: PipelineConfig, cache_url: str, output_url: str, force: bool = Fa
     # The resolved layers, not the spelling: "auto" and the cache's ids are the same run. Keys
     # that only change speed stay out, so do `source` and `online` for a cache-fed run (a run of
     # the release before them still resumes).
-    train_config = {k: v for k, v in tc.to_dict().items() if k not in (*RUNTIME_KEYS, "source")}
-    for key, earlier in EARLIER_BEHAVIOUR.items():
-        if train_config[key] == earlier:
-            del train_config[key]
+    train_config = {k: v for k, v in tc.stage_dict().items() if k not in (*RUNTIME_KEYS, "source")}
     # Keys of a head the drafter lacks: a DFlash baseline's run is unchanged by them.
     absent = ((() if dcfg.enable_confidence_head else CONFIDENCE_HEAD_KEYS)
               + (MARKOV_HEAD_KEYS if dcfg.markov_head_type == "none" else ()))
