@@ -141,6 +141,12 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: ob
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else query.dtype
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         return _flex_compiled(query, key, value, block_mask=mask, enable_gqa=num_kv_groups > 1)
+    if num_kv_groups > 1 and query.device.type == "cpu":
+        # On CPU enable_gqa reads each kv head for its query group in place: the same values and
+        # gradients as repeating key/value to H heads, without copying the context every call (a
+        # draft layer over 300 context positions, 2-core EPYC: fp32 0.89 -> 0.08 ms, bf16 at R = 8
+        # 3.3 -> 0.6 ms). CUDA keeps the copy: a mask with enable_gqa sends it to the math kernel.
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
     if num_kv_groups > 1:
         key = key.repeat_interleave(num_kv_groups, dim=1)  # [B, H, K, D]
         value = value.repeat_interleave(num_kv_groups, dim=1)
