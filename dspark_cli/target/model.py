@@ -18,7 +18,7 @@ import torch
 
 from ..errors import DsparkError, environment_error
 from . import capture as _capture
-from . import chat, identity
+from . import chat, decode_attention, identity
 from .dtypes import auto_dtype, resolve_device, torch_dtype
 from .files import LOAD_HINT, first_line, hidden_size, hub_kwargs, num_layers
 from .layers import resolve_layers
@@ -62,6 +62,7 @@ def load_target(path_or_id: str, dtype: str | torch.dtype = "bfloat16", device: 
         raise DsparkError(f"target {path_or_id!r}: cannot load it ({first_line(e)}).", hint=LOAD_HINT) from e
     model.to(dev).eval()
     model.requires_grad_(False)
+    decode_attention.install(model)  # one-token steps on the CPU: same maths, ~15% faster (its doc)
     if prepack:
         prepack_linears(model)
     return model, tokenizer
