@@ -370,3 +370,70 @@ def test_a_prepacked_drafter_drafts_from_a_packed_copy_of_its_draft_head(tiny_qw
     hidden.requires_grad_(True)  # a product that needs a gradient stays on the plain path
     drafter.draft_logits(hidden).sum().backward()
     assert hidden.grad is not None and hidden.grad.abs().max() > 0
+
+
+def _ragged_context(drafter, samples):
+    """Three requests of different context lengths (a mask in the backbone) and their anchors."""
+    anchors = [int(torch.nonzero(s.loss_mask)[0]) + k for s, k in zip(samples, (2, 7, 4), strict=True)]
+    context = drafter.new_context()
+    for _ in samples:
+        context.add_row()
+    drafter.extend_context(context, [s.hidden_states[:a] for s, a in zip(samples, anchors, strict=True)])
+    return context, torch.tensor([int(s.input_ids[a]) for s, a in zip(samples, anchors, strict=True)])
+
+
+@pytest.mark.parametrize("markov", ["vanilla", "gated"])
+def test_the_compiled_slot_loop_draws_what_the_eager_one_draws(tiny_qwen3_target, samples, markov):
+    """target.compile_draft: the same seeded draws, tokens and candidates, the same distributions
+    and confidences up to rounding, with candidates from the favoured table (vanilla) and a head
+    with its own linear (gated); prepacked as eval loads the drafter."""
+    from dspark_cli.target.prepack import prepack_linears
+
+    drafter = build(tiny_qwen3_target, markov_head_type=markov)
+    prepack_linears(drafter)
+    context, anchors = _ragged_context(drafter, samples)
+    runs = []
+    for compiled in (False, True):
+        drafter.compile_sampler(compiled)
+        with torch.inference_mode():
+            runs.append(drafter.draft(context, anchors, 1.0, torch.Generator().manual_seed(3), top_k=8))
+        assert drafter._sampler.compiling == compiled  # the compiled function really ran
+    eager, compiled = runs
+    for name in ("tokens", "support", "index"):
+        assert torch.equal(getattr(eager.dist, name), getattr(compiled.dist, name)), name
+    torch.testing.assert_close(compiled.dist.probs, eager.dist.probs, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(compiled.confidences, eager.confidences, atol=1e-5, rtol=1e-4)
+
+
+def test_a_sampler_that_fails_to_compile_drafts_eagerly_with_one_warning(tiny_qwen3_target, samples,
+                                                                        monkeypatch, capsys):
+    from dspark_cli import compiled
+
+    def no_compiler(fn, **_):
+        def call(*args, **kwargs):
+            raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found\nmore detail")
+        return call
+
+    monkeypatch.setattr(compiled.torch, "compile", no_compiler)
+    drafter = build(tiny_qwen3_target)
+    context, anchors = _ragged_context(drafter, samples)
+    with torch.inference_mode():
+        eager = drafter.draft(context, anchors, 1.0, torch.Generator().manual_seed(3), top_k=8)
+        drafter.compile_sampler(True)
+        for _ in range(2):  # the second draft does not try again
+            fallback = drafter.draft(context, anchors, 1.0, torch.Generator().manual_seed(3), top_k=8)
+    assert not drafter._sampler.compiling
+    assert torch.equal(fallback.dist.tokens, eager.dist.tokens)
+    err = capsys.readouterr().err
+    assert err.count("target.compile_draft: compiling the draft sampler failed") == 1
+    assert "No working C++ compiler" in err and "more detail" not in err and "Traceback" not in err
+
+
+def test_a_bad_compile_draft_is_one_line_through_the_entry_point():
+    from fixtures.cli import run_dspark
+
+    proc = run_dspark("pipeline", "show", "pipelines/smollm2-135m.toml",
+                      "--set", "target.compile_draft=maybe")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == ('error: --set target.compile_draft=maybe: target.compile_draft must be '
+                                   'true, false or "auto", got \'maybe\'.')

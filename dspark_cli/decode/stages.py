@@ -35,6 +35,7 @@ def _target_input(cfg: PipelineConfig, target: str, output_url: str) -> str:
 
 
 def load_models(cfg: PipelineConfig, target: str, drafter_url: str) -> tuple[Any, Any, Any]:
+    from ..model.block_sampler import compile_wanted
     from ..model.export import load_drafter
     from ..target.model import Target
     from ..target.prepack import prepack_linears
@@ -47,6 +48,7 @@ def load_models(cfg: PipelineConfig, target: str, drafter_url: str) -> tuple[Any
     drafter = load_drafter(drafter_url, target=target, device=loaded.device, dtype=loaded.dtype)
     if cfg.target.prepack:  # frozen here too, and its block forward is a few-row GEMM as well
         prepack_linears(drafter)
+    drafter.compile_sampler(compile_wanted(cfg.target.compile_draft, loaded.device))
     return loaded.model, loaded.tokenizer, drafter
 
 

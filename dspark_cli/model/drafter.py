@@ -24,8 +24,9 @@ from torch import nn
 
 from ..target.prepack import PackedLinear, pack_weight, packed_linear
 from .attention import SplitMask, attend, attend_split
+from .block_sampler import SlotSampler
 from .config import DrafterConfig
-from .draw import DraftDist, draw
+from .draw import DraftDist
 from .heads import ConfidenceHead, MarkovHead
 from .vocab_logits import vocab_logits
 
@@ -243,6 +244,7 @@ class DSparkDrafter(nn.Module):
         self.register_buffer("draft_token_ids", torch.arange(config.draft_vocab_size)
                              if config.draft_vocab_size else None)
         self._draft_head: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
+        self._sampler = SlotSampler(compiled=False)
         self._init_weights()
         for p in (self.embed_tokens.weight, self.lm_head.weight):
             p.requires_grad_(False)  # the target's, frozen
@@ -383,6 +385,7 @@ class DSparkDrafter(nn.Module):
         exact for rejection sampling, and W2 is read for 2k rows instead of V. temperature 0 is
         greedy. `lap(phase)` is called after the backbone and after the head loop (timing);
         markov_candidates=False keeps the base top k alone (what bench_draft_candidates compares).
+        The slot loop is `block_sampler.sample_block`, eager unless `compile_sampler(True)`.
         """
         device = self.fc.weight.device
         R, n_in = anchor_tokens.shape[0], self.config.block_inputs
@@ -410,64 +413,20 @@ class DSparkDrafter(nn.Module):
                     and self.markov_head.kind == "vanilla")
         if lap:
             lap("draft_backbone")
-        tokens, probs, index, supports = [], [], [], []
-        prev, state = anchor_tokens, None
-        rows = torch.arange(R, device=device)
-        for k in range(self.block_size):
-            logits, slot_support = base[:, k], support[:, k]  # [R, K]
-            if favoured:
-                logits, slot_support = self._with_favoured(logits, slot_support, full_base[:, k], prev, top_k)
-            if self.markov_head is not None:
-                z, state = self.markov_head.step(prev, hidden[:, k], state)  # [R, r]
-                logits = logits + self._markov_bias(z, slot_support, full=not truncated)
-            if temperature <= 0:
-                choice = logits.argmax(-1)  # [R]
-                p = F.one_hot(choice, logits.shape[-1]).float()
-            else:
-                p = torch.softmax(logits / temperature, dim=-1)
-                choice = draw(p, generator)
-            slot_support = self.to_target_ids(slot_support)
-            prev = slot_support[rows, choice]
-            tokens.append(prev)
-            probs.append(p)
-            index.append(choice)
-            supports.append(slot_support)
-        drafted = torch.stack(tokens, 1)  # [R, γ]
-        confidences = self._block_confidences(hidden, torch.cat([anchor_tokens[:, None], drafted[:, :-1]], 1))
+        # One uniform per slot and row, drawn slot by slot as γ calls of `draw` would draw them.
+        gen_device = generator.device if generator is not None else torch.device("cpu")
+        uniforms = torch.rand((self.block_size, R), generator=generator, device=gen_device).T.to(device)
+        out = self._sampler(base, support, full_base, anchor_tokens, hidden, uniforms, temperature,
+                            self.markov_head, self.confidence_head,
+                            self.markov_head.favoured_table(top_k) if favoured else None,
+                            self.draft_token_ids, truncated)
         if lap:
             lap("draft_heads")
-        dist = DraftDist(drafted, torch.stack(supports, 1), torch.stack(probs, 1), torch.stack(index, 1))
-        return DraftBatch(dist, confidences)
+        return DraftBatch(DraftDist(out.tokens, out.support, out.probs, out.index), out.confidences)
 
-    def _block_confidences(self, hidden: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor | None:
-        """c_k for every slot at once once the block is drawn: hidden [R, γ, d], prev_tokens [R, γ]
-        (x_{k-1}: the anchor, then the drafted tokens) → float32 [R, γ], or None without the head.
-
-        No draw depends on c_k, so the head needs no place in the sequential loop: one call over the
-        block instead of γ (and one W1 lookup instead of a second per slot) saved ~0.7 ms a draft
-        of the demo's drafter on a 2-core VM, ~1% of its round."""
-        if self.confidence_head is None:
-            return None
-        prev_embed = self.markov_head.embed_prev(prev_tokens) if self.confidence_head.with_markov else None
-        return torch.sigmoid(self.confidence_head(hidden, prev_embed)).float()
-
-    def _with_favoured(self, logits: torch.Tensor, support: torch.Tensor, full_base: torch.Tensor,
-                       prev: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append the k tokens the Markov bias favours after `prev` to one slot's candidates.
-
-        logits/support [R, K] (the base top k), full_base [R, V] → [R, 2K]. A favoured token that
-        is already a candidate keeps its place and its copy gets probability 0 (-inf logit)."""
-        extra = self.markov_head.favoured_after(prev, k)  # [R, k]
-        repeated = (extra[:, :, None] == support[:, None, :]).any(-1)  # [R, k]
-        extra_logits = full_base.gather(-1, extra).float().masked_fill(repeated, float("-inf"))
-        return torch.cat([logits, extra_logits], dim=-1), torch.cat([support, extra], dim=-1)
-
-    def _markov_bias(self, z: torch.Tensor, support: torch.Tensor, full: bool) -> torch.Tensor:
-        """W2·z on the candidates only: z [R, r], support [R, K] → float32 [R, K]."""
-        if full:
-            return self.markov_head.bias(z).float()
-        w2 = self.markov_head.markov_w2.weight[support]  # [R, K, r]
-        return torch.bmm(w2, z.to(w2.dtype).unsqueeze(-1)).squeeze(-1).float()
+    def compile_sampler(self, compiled: bool) -> None:
+        """Draw blocks with the compiled slot loop (target.compile_draft) or the eager one."""
+        self._sampler = SlotSampler(compiled)
 
     def draft_block(self, ctx_hidden: torch.Tensor, anchor_token: int, anchor_pos: int,
                     temperature: float = 1.0, generator: torch.Generator | None = None,

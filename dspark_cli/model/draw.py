@@ -17,10 +17,15 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
 
     probs [..., V] → LongTensor [...] on probs' device (0-d for a 1-D input).
     """
+    device = generator.device if generator is not None else torch.device("cpu")
+    return draw_from(probs, torch.rand(probs.shape[:-1], generator=generator, device=device))
+
+
+def draw_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """`draw` with its uniforms [...] in [0, 1) given: one per distribution of probs [..., V]."""
     cdf = probs.float().cumsum(dim=-1)  # [..., V]
     total = cdf[..., -1:]
-    device = generator.device if generator is not None else torch.device("cpu")
-    u = torch.rand((*probs.shape[:-1], 1), generator=generator, device=device).to(cdf.device) * total
+    u = uniforms.to(cdf.device).unsqueeze(-1) * total
     # u strictly below the total, so the first cdf entry above u is one where the cdf rose: an
     # index of non-zero probability (u rounding up onto the last plateau would pick a zero).
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))

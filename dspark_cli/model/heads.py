@@ -85,9 +85,13 @@ class MarkovHead(nn.Module):
         """W2·z: [..., r] → [..., V] (V: the draft vocabulary)."""
         return self.markov_w2(z)
 
-    @torch.inference_mode()  # the kept table is then always an inference tensor, updatable in any mode
     def favoured_after(self, prev_tokens: torch.Tensor, k: int) -> torch.Tensor:
-        """The k tokens the vanilla bias raises most after each previous token: [B] → [B, k].
+        """The k tokens the vanilla bias raises most after each previous token: [B] → [B, k]."""
+        return self.favoured_table(k)[prev_tokens.to(self.markov_w1.weight.device)]
+
+    @torch.inference_mode()  # the kept table is then always an inference tensor, updatable in any mode
+    def favoured_table(self, k: int) -> torch.Tensor:
+        """Row x: the k draft ids the vanilla bias raises most after token x, LongTensor [V, k].
 
         The vanilla bias W2·W1[x] depends on the previous token alone, so its top k is a property
         of the token: the table for the whole vocabulary is computed on first use (W1·W2ᵀ a
@@ -103,7 +107,7 @@ class MarkovHead(nn.Module):
         if getattr(self, "_favoured_key", None) != key:
             self._favoured = self._favoured_table(k)
             self._favoured_key = key
-        return self._favoured[prev_tokens.to(w1.device)]
+        return self._favoured
 
     def _favoured_table(self, k: int, rows_per_block: int = 1024) -> torch.Tensor:
         """topk(W1·W2ᵀ, k) per row → LongTensor [V, k], without a [V, V] product in memory."""

@@ -35,8 +35,15 @@ class TargetSettings(Section):
     #: float32, and bf16 where oneDNN has native bf16: target/prepack.py). false: the plain path,
     #: e.g. to compare the two.
     prepack: bool = True
+    #: Compile the drafter's slot-by-slot sampling loop with TorchInductor where eval and calibrate
+    #: decode (model/block_sampler.py): ~170 small ops a block fused into a few C++ loops, ~20 s of
+    #: compiling once per process. "auto": on CPU where a C++ compiler is found; true/false: always/
+    #: never. A compile that fails falls back to the eager loop with one warning.
+    compile_draft: bool | str = "auto"
 
     def validate(self) -> None:
+        if isinstance(self.compile_draft, str) and self.compile_draft != "auto":
+            self.fail("compile_draft", f"must be true, false or \"auto\", got {self.compile_draft!r}.")
         if self.dtype not in ("auto", *DTYPE_NAMES):
             self.fail("dtype", f"must be auto or one of {', '.join(DTYPE_NAMES)}, got {self.dtype!r}.")
         self.layers = parse_layers(self.layers, f"{self.name}.layers")

@@ -66,6 +66,8 @@ class PackedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():  # Inductor lowers the plain product its own way; a packed
+            return F.linear(x, self.weight, self.bias)  # weight it cannot (model/block_sampler.py)
         return packed_linear(x, self.packed_weight, self.bias)
 
 

@@ -14,15 +14,9 @@ failure to compile falls back to the eager kernels with one warning, never endin
 
 from __future__ import annotations
 
-import os
-import shutil
-from collections.abc import Callable
-
 import torch
-import torch.fx.experimental._config as fx_config
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from ..console import console
+from ..compiled import CompiledFunction, compiler_found
 
 
 def _terms(logits: torch.Tensor, bias: torch.Tensor | None, bias_index: torch.Tensor | None,
@@ -60,12 +54,6 @@ def _terms(logits: torch.Tensor, bias: torch.Tensor | None, bias_index: torch.Te
     return ce, tv, grad.to(grad_dtype)
 
 
-def compiler_found() -> bool:
-    """A C++ compiler for Inductor's CPU kernels ($CXX, else g++, c++ or clang++ on PATH)."""
-    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
-    return any(shutil.which(name) for name in names)
-
-
 def wanted(setting: bool | str, device: torch.device, bf16_steps: bool) -> bool:
     """Whether train.compile_vocab = `setting` compiles: true always, false never, "auto" on CPU
     with bf16 autocast steps (native bf16 matmuls) where a C++ compiler is found. In fp32 on an
@@ -76,31 +64,9 @@ def wanted(setting: bool | str, device: torch.device, bf16_steps: bool) -> bool:
     return device.type == "cpu" and bf16_steps and compiler_found()
 
 
-class VocabKernel:
-    """`_terms` compiled once per process (dynamic row counts), or None from `__call__` once it
-    failed to compile: the caller then takes its eager kernels."""
+class VocabKernel(CompiledFunction):
+    """`_terms` compiled once per process (dynamic row counts); a call returns None once it failed
+    to compile: the caller then takes its eager kernels."""
 
     def __init__(self) -> None:
-        self._compiled: Callable | None = None
-        self.failed = False
-
-    def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        if self.failed:
-            return None
-        if _get_current_dispatch_mode() is not None:
-            # Under a dispatch mode (FlopCounterMode: bench-train's FLOP count) the same maths
-            # eagerly: a compiled kernel that once ran under one stays ~4x slower afterwards.
-            return _terms(*args, **kwargs)
-        if self._compiled is None:
-            self._compiled = torch.compile(_terms, dynamic=True)
-        try:
-            # Duck sizing would tie the distinct-state and distinct-token counts together whenever
-            # they happen to be equal: a second, specialised compile (3x slower on bench-train).
-            with fx_config.patch(use_duck_shape=False):
-                return self._compiled(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 — any compile failure: the eager kernels are exact
-            self.failed = True
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            console.print(f"[yellow]warning:[/] train.compile_vocab: compiling the loss kernel failed "
-                          f"({first[:200]}); using the eager kernels (same maths, slower).")
-            return None
+        super().__init__(_terms, "train.compile_vocab", "the loss kernel")
