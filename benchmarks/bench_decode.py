@@ -40,6 +40,7 @@ from dspark_cli.decode.scheduler import POLICIES, Scheduler
 from dspark_cli.decode.specdec import SpeculativeDecoder, Stopwatch, paired_decode, target_only, warm_up
 from dspark_cli.decode.sps import profile_target
 from dspark_cli.decode.stages import load_calibration
+from dspark_cli.model.block_sampler import compile_wanted
 from dspark_cli.model.export import load_drafter
 from dspark_cli.target.chat import render_prompt
 from dspark_cli.target.dtypes import auto_dtype
@@ -279,6 +280,7 @@ def main() -> None:
     drafter = load_drafter(args.drafter, target=args.target, dtype=resolve_dtype(args.dtype))
     if args.prepack:  # as `dspark eval` loads them (decode/stages.py load_models)
         prepack_linears(drafter)
+    drafter.compile_sampler(compile_wanted("auto", torch.device("cpu")))  # as eval's target.compile_draft
     temps = None
     if Path(args.calibration).exists():
         temps = load_calibration(args.calibration, drafter.block_size)
@@ -297,6 +299,7 @@ def main() -> None:
             d = load_drafter(args.drafter, target=args.target, dtype=resolve_dtype(dtype))
             if args.prepack:
                 prepack_linears(d)
+            d.compile_sampler(compile_wanted("auto", torch.device("cpu")))
         micros[dtype] = res = micro(args, m, d, prompt)
         k = res["draft"][args.top_k]
         full = res["draft"][0]
