@@ -352,3 +352,16 @@ def imported_modules(proc) -> set[str]:
     """Modules a `PYTHONPROFILEIMPORTTIME=1` run imported (its stderr's 'import time:' lines)."""
     return {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines()
             if line.startswith("import time:")}
+
+
+@pytest.mark.parametrize(("key", "bad"), [("train.compile_vocab", "sometimes"),
+                                          ("target.compile_draft", "maybe")])
+def test_a_bad_compile_switch_is_one_line_through_the_entry_point(key, bad):
+    """The Inductor switches take true, false or "auto"; anything else is named in one line, and
+    the corrected value then runs."""
+    config = "pipelines/smollm2-135m.toml"
+    proc = run_dspark("pipeline", "show", config, "--set", f"{key}={bad}", cwd=REPO)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (f'error: --set {key}={bad}: {key} must be true, false or "auto", '
+                                   f"got '{bad}'.")
+    assert run_dspark("pipeline", "show", config, "--set", f"{key}=false", cwd=REPO).returncode == 0

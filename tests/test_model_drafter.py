@@ -428,12 +428,3 @@ def test_a_sampler_that_fails_to_compile_drafts_eagerly_with_one_warning(tiny_qw
     assert err.count("target.compile_draft: compiling the draft sampler failed") == 1
     assert "No working C++ compiler" in err and "more detail" not in err and "Traceback" not in err
 
-
-def test_a_bad_compile_draft_is_one_line_through_the_entry_point():
-    from fixtures.cli import run_dspark
-
-    proc = run_dspark("pipeline", "show", "pipelines/smollm2-135m.toml",
-                      "--set", "target.compile_draft=maybe")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == ('error: --set target.compile_draft=maybe: target.compile_draft must be '
-                                   'true, false or "auto", got \'maybe\'.')

@@ -172,18 +172,6 @@ def test_compile_vocab_setting(monkeypatch):
     assert not vocab_kernel.wanted("auto", cpu, True)
 
 
-def test_a_bad_compile_vocab_is_one_line_through_the_entry_point():
-    from fixtures.cli import run_dspark
-
-    proc = run_dspark("pipeline", "show", "pipelines/smollm2-135m.toml",
-                      "--set", "train.compile_vocab=sometimes")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip() == ('error: --set train.compile_vocab=sometimes: train.compile_vocab must be '
-                                   'true, false or "auto", got \'sometimes\'.')
-    assert run_dspark("pipeline", "show", "pipelines/smollm2-135m.toml", "--set",
-                      "train.compile_vocab=false").returncode == 0
-
-
 def reduced_drafter(target, head: str, confidence: bool, batch) -> DSparkDrafter:
     """A drafter whose draft vocabulary holds half the labels of `batch` and random other tokens."""
     torch.manual_seed(2)

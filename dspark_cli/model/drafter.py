@@ -378,14 +378,11 @@ class DSparkDrafter(nn.Module):
               lap: Callable[[str], None] | None = None, markov_candidates: bool = True) -> DraftBatch:
         """Propose γ tokens after each row's anchor (anchor_tokens [R]), left to right.
 
-        One backbone pass for every row, then γ sequential head steps on all rows at once. With
-        top_k > 0 a slot's candidates are its k best base logits and, for the vanilla Markov
-        head, the k tokens the bias favours after the previous token; the Markov bias is added
-        to those only, and the draft distribution IS the softmax over them (zero elsewhere):
-        exact for rejection sampling, and W2 is read for 2k rows instead of V. temperature 0 is
-        greedy. `lap(phase)` is called after the backbone and after the head loop (timing);
-        markov_candidates=False keeps the base top k alone (what bench_draft_candidates compares).
-        The slot loop is `block_sampler.sample_block`, eager unless `compile_sampler(True)`.
+        One backbone pass for every row, then γ sequential head steps on all rows at once
+        (`block_sampler.sample_block`, whose doc says how top_k > 0 picks each slot's candidates;
+        eager unless `compile_sampler(True)`). temperature 0 is greedy. `lap(phase)` is called
+        after the backbone and after the head loop (timing); markov_candidates=False keeps the base
+        top k alone (what bench_draft_candidates compares).
         """
         device = self.fc.weight.device
         R, n_in = anchor_tokens.shape[0], self.config.block_inputs

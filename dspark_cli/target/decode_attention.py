@@ -25,6 +25,10 @@ import torch.nn.functional as F
 
 NAME = "dspark_sdpa"
 
+#: Transformers' own SDPA attention function, for every call not stacked here; set by `install`
+#: (importing it at module load would pull Transformers into every `dspark` start).
+_fallback: Any = None
+
 
 #: Query tokens per sequence up to which the stacking pays (a verification step: the anchor and its
 #: drafts). Longer queries (prefills) keep Transformers' path.
@@ -36,8 +40,6 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
               is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """Transformers' attention-function signature: query [B, H, q, D], key/value [B, Hkv, T, D] →
     ([B, q, H, D], None)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     groups = int(getattr(module, "num_key_value_groups", 1) or 1)
     B, H, q, D = query.shape
     if _stackable(query, key, attention_mask, groups, dropout, kwargs):
@@ -48,8 +50,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
         out = F.scaled_dot_product_attention(query.reshape(B, H // groups, groups * q, D), key, value,
                                              attn_mask=mask, scale=scaling)  # [B, Hkv, G·q, Dv]
         return out.reshape(B, H, q, value.shape[-1]).transpose(1, 2).contiguous(), None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  is_causal=is_causal, **kwargs)
+    return _fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                     is_causal=is_causal, **kwargs)
 
 
 def _stackable(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, groups: int,
@@ -77,9 +79,12 @@ def install(model: Any) -> bool:
             return False
     except StopIteration:
         return False
+    global _fallback
     from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
+    _fallback = sdpa_attention_forward
     AttentionInterface.register(NAME, attention)
     if NAME not in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionMaskInterface.register(NAME, sdpa_mask)
